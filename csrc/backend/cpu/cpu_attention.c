@@ -1,0 +1,91 @@
+/* Multi-head attention over a list of K/V segments on the CPU.
+ *
+ * For one (batch item, head): the scores of every segment are written side by
+ * side into one row buffer (S_s = scale * Q K_s^T, one GEMM per segment), the
+ * softmax runs over the whole row (a single running max and sum, which is
+ * exactly the online-softmax merge of the segments), and O = sum_s P_s V_s
+ * accumulates one GEMM per segment. No K/V bytes are copied.
+ *
+ * (batch, head) pairs are independent, so OpenMP splits them and each thread
+ * asks OpenBLAS for single-threaded GEMMs: small GEMMs run best that way. */
+#include <math.h>
+#include <omp.h>
+
+#include <cblas.h>
+
+#include "cpu_internal.h"
+
+static void softmax_rows_inplace(float *s, int64_t rows, int64_t cols, int64_t ld) {
+    for (int64_t i = 0; i < rows; i++) {
+        float *row = s + i * ld;
+        float max = -INFINITY;
+        for (int64_t j = 0; j < cols; j++)
+            max = row[j] > max ? row[j] : max;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < cols; j++) {
+            row[j] = expf(row[j] - max);
+            sum += row[j];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < cols; j++)
+            row[j] *= inv;
+    }
+}
+
+mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                           float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                           const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
+                           int64_t o_bstride, mc_err *err) {
+    int64_t total_keys = 0;
+    for (int s = 0; s < nsegs; s++)
+        total_keys += segs[s].rows;
+    if (nq == 0 || batch == 0)
+        return MC_OK;
+    if (total_keys == 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "attention: no keys to attend to");
+
+    int threads = mc_cpu_threads(be);
+    int64_t pairs = batch * heads;
+    if (threads > pairs)
+        threads = (int)pairs;
+    float *scores[64];
+    if (threads > 64)
+        threads = 64;
+    for (int t = 0; t < threads; t++) {
+        scores[t] = mc_cpu_scratch(be, t, (size_t)(nq * total_keys), err);
+        if (scores[t] == NULL)
+            return err->status;
+    }
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        int previous = scipy_openblas_set_num_threads_local(1);
+        int64_t b = pair / heads, h = pair % heads;
+        float *s = scores[omp_get_thread_num()];
+        const float *qb = q + b * q_bstride + h * head_dim;
+        float *ob = out + b * o_bstride + h * head_dim;
+        int64_t col = 0;
+        for (int g = 0; g < nsegs; g++) {
+            if (segs[g].rows == 0)
+                continue;
+            const float *kb = segs[g].k + b * segs[g].batch_stride + h * head_dim;
+            mc_cpu_sgemm(0, 1, nq, segs[g].rows, head_dim, scale, qb, ldq, kb, segs[g].ld, 0.0f,
+                         s + col, total_keys);
+            col += segs[g].rows;
+        }
+        softmax_rows_inplace(s, nq, total_keys, total_keys);
+        col = 0;
+        int first = 1;
+        for (int g = 0; g < nsegs; g++) {
+            if (segs[g].rows == 0)
+                continue;
+            const float *vb = segs[g].v + b * segs[g].batch_stride + h * head_dim;
+            mc_cpu_sgemm(0, 0, nq, head_dim, segs[g].rows, 1.0f, s + col, total_keys, vb,
+                         segs[g].ld, first ? 0.0f : 1.0f, ob, ldo);
+            col += segs[g].rows;
+            first = 0;
+        }
+        scipy_openblas_set_num_threads_local(previous);
+    }
+    return MC_OK;
+}

@@ -1,0 +1,128 @@
+/* The CPU backend: OpenBLAS for GEMMs, OpenMP for everything row-parallel,
+ * and a grow-only scratch pool so the AR loop does not allocate. */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#include "cpu_internal.h"
+
+#define MC_CPU_SCRATCH_SLOTS 64
+
+typedef struct cpu_state {
+    int num_threads;
+    float *scratch[MC_CPU_SCRATCH_SLOTS];
+    size_t scratch_floats[MC_CPU_SCRATCH_SLOTS];
+} cpu_state;
+
+static enum CBLAS_TRANSPOSE to_cblas(int trans) { return trans ? CblasTrans : CblasNoTrans; }
+
+void mc_cpu_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                  int64_t ldc) {
+    if (m == 0 || n == 0)
+        return;
+    scipy_cblas_sgemm(CblasRowMajor, to_cblas(trans_a), to_cblas(trans_b), (blasint)m, (blasint)n,
+                      (blasint)k, alpha, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
+}
+
+const char *mc_cpu_blas_config(void) { return scipy_openblas_get_config(); }
+
+int mc_cpu_threads(mc_backend *be) { return ((cpu_state *)be->impl)->num_threads; }
+
+float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err) {
+    cpu_state *st = be->impl;
+    if (slot < 0 || slot >= MC_CPU_SCRATCH_SLOTS) {
+        mc_fail(err, MC_ERR_INTERNAL, "scratch slot %d out of range", slot);
+        return NULL;
+    }
+    if (st->scratch_floats[slot] < floats) {
+        size_t bytes;
+        if (mc_mul_overflows(floats, sizeof(float), &bytes)) {
+            mc_fail(err, MC_ERR_NOMEM, "scratch request of %zu floats overflows", floats);
+            return NULL;
+        }
+        float *fresh = mc_aligned_alloc(bytes);
+        if (fresh == NULL) {
+            mc_fail(err, MC_ERR_NOMEM, "cannot allocate %zu bytes of CPU scratch", bytes);
+            return NULL;
+        }
+        mc_aligned_free(st->scratch[slot]);
+        st->scratch[slot] = fresh;
+        st->scratch_floats[slot] = floats;
+    }
+    return st->scratch[slot];
+}
+
+static void *cpu_alloc(mc_backend *be, size_t bytes, mc_err *err) {
+    (void)be;
+    void *p = mc_aligned_alloc(bytes);
+    if (p == NULL)
+        mc_fail(err, MC_ERR_NOMEM, "cannot allocate %zu bytes of host memory", bytes);
+    return p;
+}
+
+static void cpu_release(mc_backend *be, void *ptr) {
+    (void)be;
+    mc_aligned_free(ptr);
+}
+
+static mc_status cpu_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    (void)be;
+    (void)err;
+    if (bytes)
+        memcpy(dst, src, bytes);
+    return MC_OK;
+}
+
+static void cpu_destroy(mc_backend *be) {
+    cpu_state *st = be->impl;
+    for (int i = 0; i < MC_CPU_SCRATCH_SLOTS; i++)
+        mc_aligned_free(st->scratch[i]);
+    free(st);
+    free(be);
+}
+
+static const mc_ops cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .copy = cpu_copy,
+    .gemm = mc_cpu_gemm,
+    .linear = mc_cpu_linear,
+    .layernorm = mc_cpu_layernorm,
+    .activation = mc_cpu_activation,
+    .add_rows = mc_cpu_add_rows,
+    .gated_add = mc_cpu_gated_add,
+    .gather_rows = mc_cpu_gather_rows,
+    .scatter_rows = mc_cpu_scatter_rows,
+    .attention = mc_cpu_attention,
+    .groupnorm = NULL,
+    .conv2d = NULL,
+    .upsample_nearest2x = NULL,
+    .cfg_combine = mc_cpu_cfg_combine,
+    .ddpm_step = mc_cpu_ddpm_step,
+    .token_normals = mc_cpu_token_normals,
+};
+
+mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {
+    mc_backend *be = calloc(1, sizeof *be);
+    cpu_state *st = calloc(1, sizeof *st);
+    if (be == NULL || st == NULL) {
+        free(be);
+        free(st);
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CPU backend");
+    }
+    st->num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    be->ops = &cpu_ops;
+    be->device_index = -1;
+    be->impl = st;
+    *out = be;
+    return MC_OK;
+}
+
+

@@ -1,0 +1,207 @@
+/* Row-wise CPU ops. Each keeps the plain loop as its reference form; the
+ * loops are written so GCC vectorises them and OpenMP splits rows. */
+#include <math.h>
+#include <string.h>
+
+#include "../../core/philox.h"
+#include "cpu_internal.h"
+
+/* Below this many elements an op runs on one thread: waking the team costs
+ * more than the work. */
+#define MC_PARALLEL_MIN_ELEMS 32768
+
+float mc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f)); }
+
+float mc_silu(float x) { return x / (1.0f + expf(-x)); }
+
+mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                      float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                      float beta, float *c, int64_t ldc, mc_err *err) {
+    (void)be;
+    (void)err;
+    mc_cpu_sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return MC_OK;
+}
+
+static void apply_act_rows(mc_act act, float *y, int64_t ldy, int64_t rows, int64_t dim) {
+    if (act == MC_ACT_NONE)
+        return;
+#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = y + r * ldy;
+        if (act == MC_ACT_GELU)
+            for (int64_t i = 0; i < dim; i++)
+                row[i] = mc_gelu_erf(row[i]);
+        else
+            for (int64_t i = 0; i < dim; i++)
+                row[i] = mc_silu(row[i]);
+    }
+}
+
+mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                        const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                        float *y, int64_t ldy, mc_err *err) {
+    (void)be;
+    if (rows == 0)
+        return MC_OK;
+    if (beta != 0.0f && act != MC_ACT_NONE)
+        return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
+    /* Bias first, then GEMM with beta = 1, so the bias costs one pass. */
+    if (bias != NULL) {
+#pragma omp parallel for schedule(static) if (rows * out >= MC_PARALLEL_MIN_ELEMS)
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = y + r * ldy;
+            if (beta != 0.0f)
+                for (int64_t i = 0; i < out; i++)
+                    row[i] += bias[i];
+            else
+                for (int64_t i = 0; i < out; i++)
+                    row[i] = bias[i];
+        }
+        beta = 1.0f;
+    }
+    mc_cpu_sgemm(0, 1, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy);
+    apply_act_rows(act, y, ldy, rows, out);
+    return MC_OK;
+}
+
+mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
+                           const float *w, const float *b, float eps, const float *shift,
+                           const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err) {
+    (void)be;
+    (void)err;
+#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        /* Two-pass statistics in double: rows are short, and this keeps the
+         * result independent of summation order on every backend. */
+        double sum = 0.0;
+        for (int64_t i = 0; i < dim; i++)
+            sum += xr[i];
+        double mean = sum / (double)dim;
+        double sq = 0.0;
+        for (int64_t i = 0; i < dim; i++) {
+            double d = xr[i] - mean;
+            sq += d * d;
+        }
+        float inv = (float)(1.0 / sqrt(sq / (double)dim + (double)eps));
+        float meanf = (float)mean;
+        for (int64_t i = 0; i < dim; i++)
+            yr[i] = (xr[i] - meanf) * inv;
+        if (w != NULL)
+            for (int64_t i = 0; i < dim; i++)
+                yr[i] = yr[i] * w[i] + (b != NULL ? b[i] : 0.0f);
+        if (scale != NULL) {
+            const float *sh = shift + r * ld_mod, *sc = scale + r * ld_mod;
+            for (int64_t i = 0; i < dim; i++)
+                yr[i] = yr[i] * (1.0f + sc[i]) + sh[i];
+        }
+    }
+    return MC_OK;
+}
+
+mc_status mc_cpu_activation(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
+                            int64_t dim, mc_err *err) {
+    (void)be;
+    (void)err;
+    apply_act_rows(act, x, ld, rows, dim);
+    return MC_OK;
+}
+
+mc_status mc_cpu_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim,
+                          const float *v, int64_t ldv, int64_t period, mc_err *err) {
+    (void)be;
+    if (period <= 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "add_rows: period must be positive");
+#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * ldy;
+        const float *vr = v + (r % period) * ldv;
+        for (int64_t i = 0; i < dim; i++)
+            yr[i] += vr[i];
+    }
+    return MC_OK;
+}
+
+mc_status mc_cpu_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
+                           const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err) {
+    (void)be;
+    (void)err;
+#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * ldy;
+        const float *ur = u + r * ldu, *gr = gate + r * ldg;
+        for (int64_t i = 0; i < dim; i++)
+            yr[i] += gr[i] * ur[i];
+    }
+    return MC_OK;
+}
+
+mc_status mc_cpu_gather_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                             int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err) {
+    (void)be;
+    (void)err;
+#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(dst + r * ldd, src + (int64_t)idx[r] * lds, (size_t)dim * sizeof(float));
+    return MC_OK;
+}
+
+mc_status mc_cpu_scatter_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err) {
+    (void)be;
+    (void)err;
+#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(dst + (int64_t)idx[r] * ldd, src + r * lds, (size_t)dim * sizeof(float));
+    return MC_OK;
+}
+
+mc_status mc_cpu_cfg_combine(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,
+                             int64_t ldu, int64_t rows, int channels, float scale, float *out,
+                             int64_t ldo, mc_err *err) {
+    (void)be;
+    (void)err;
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < channels; c++) {
+            float u = uncond[r * ldu + c];
+            out[r * ldo + c] = u + scale * (cond[r * ldc + c] - u);
+        }
+    return MC_OK;
+}
+
+mc_status mc_cpu_ddpm_step(mc_backend *be, float *x, int64_t rows, int channels, const float *eps,
+                           int64_t ld_eps, const float *v, int64_t ld_v, const float *noise,
+                           const mc_ddpm_coefs *coefs, mc_err *err) {
+    (void)be;
+    if (noise == NULL && coefs->noise_scale != 0.0f)
+        return mc_fail(err, MC_ERR_INTERNAL, "ddpm_step: noise missing");
+    for (int64_t r = 0; r < rows; r++) {
+        for (int c = 0; c < channels; c++) {
+            float xt = x[r * channels + c];
+            float e = eps[r * ld_eps + c];
+            float x0 = coefs->sqrt_recip_alphas_cumprod * xt - coefs->sqrt_recipm1_alphas_cumprod * e;
+            float mean = coefs->posterior_mean_coef1 * x0 + coefs->posterior_mean_coef2 * xt;
+            float frac = (v[r * ld_v + c] + 1.0f) * 0.5f;
+            float log_var = frac * coefs->log_beta + (1.0f - frac) * coefs->posterior_log_variance;
+            float next = mean;
+            if (coefs->noise_scale != 0.0f)
+                next += expf(0.5f * log_var) * noise[r * channels + c] * coefs->noise_scale;
+            x[r * channels + c] = next;
+        }
+    }
+    return MC_OK;
+}
+
+mc_status mc_cpu_token_normals(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
+                               const uint32_t *image, const uint32_t *position, int64_t rows,
+                               int channels, float *out, mc_err *err) {
+    (void)be;
+    if (channels > 64)
+        return mc_fail(err, MC_ERR_INTERNAL, "token_normals: at most 64 channels");
+    for (int64_t r = 0; r < rows; r++)
+        mc_philox_token_normals(seed, image[r], stream, position[r], step, channels,
+                                out + r * channels);
+    return MC_OK;
+}

@@ -1,0 +1,60 @@
+/* CPU backend internals: the op implementations the table in cpu_backend.c
+ * points to, split by file (dense, attention, conv, sampler). */
+#ifndef MC_CPU_INTERNAL_H
+#define MC_CPU_INTERNAL_H
+
+#include "../ops.h"
+
+/* cblas is reached through these so the BLAS symbol prefix lives in one place. */
+void mc_cpu_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                  int64_t ldc);
+const char *mc_cpu_blas_config(void);
+int mc_cpu_threads(mc_backend *be);
+
+mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                      float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                      float beta, float *c, int64_t ldc, mc_err *err);
+mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                        const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                        float *y, int64_t ldy, mc_err *err);
+mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
+                           const float *w, const float *b, float eps, const float *shift,
+                           const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err);
+mc_status mc_cpu_activation(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
+                            int64_t dim, mc_err *err);
+mc_status mc_cpu_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim,
+                          const float *v, int64_t ldv, int64_t period, mc_err *err);
+mc_status mc_cpu_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
+                           const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err);
+mc_status mc_cpu_gather_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                             int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
+mc_status mc_cpu_scatter_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
+mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                           float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                           const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
+                           int64_t o_bstride, mc_err *err);
+mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_t hw,
+                           int64_t channels, int groups, const float *w, const float *b, float eps,
+                           int swish, float *y, mc_err *err);
+mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                        int64_t width, int64_t cin, const float *w, const float *bias,
+                        int64_t cout, int ksize, float beta, float *y, mc_err *err);
+mc_status mc_cpu_upsample_nearest2x(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                                    int64_t width, int64_t channels, float *y, mc_err *err);
+mc_status mc_cpu_cfg_combine(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,
+                             int64_t ldu, int64_t rows, int channels, float scale, float *out,
+                             int64_t ldo, mc_err *err);
+mc_status mc_cpu_ddpm_step(mc_backend *be, float *x, int64_t rows, int channels, const float *eps,
+                           int64_t ld_eps, const float *v, int64_t ld_v, const float *noise,
+                           const mc_ddpm_coefs *coefs, mc_err *err);
+mc_status mc_cpu_token_normals(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
+                               const uint32_t *image, const uint32_t *position, int64_t rows,
+                               int channels, float *out, mc_err *err);
+
+/* Elementwise kernels shared by several ops. */
+float mc_gelu_erf(float x);
+float mc_silu(float x);
+
+#endif

@@ -1,0 +1,161 @@
+/* The backend seam: one table of primitive ops per backend. Models call only
+ * these (through be->ops), so a second backend (CUDA) plugs in by filling the
+ * same table. All tensors are row-major float32 in the backend's memory;
+ * "ld" arguments are row strides in elements, so ops can read column slices
+ * (one attention head, the q part of a fused qkv) without copies.
+ *
+ * Every op returns MC_OK or an error recorded in `err`. Ops never allocate
+ * per call in steady state: scratch comes from the backend's reusable pool. */
+#ifndef MC_OPS_H
+#define MC_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/mc_core.h"
+
+typedef struct mc_backend mc_backend;
+typedef struct mc_ops mc_ops;
+
+typedef enum mc_act { MC_ACT_NONE = 0, MC_ACT_GELU = 1, MC_ACT_SILU = 2 } mc_act;
+
+/* One block of keys/values that queries attend to. Row r of batch item b,
+ * head h starts at k + b * batch_stride + r * ld + h * head_dim (same for v).
+ * Attention over a list of segments equals attention over their row
+ * concatenation; backends merge per-segment softmax partials exactly (running
+ * max and sum of exponentials), so cached and fresh K/V never need copying
+ * into one buffer. A segment may have rows == 0. */
+typedef struct mc_kv_segment {
+    const float *k;
+    const float *v;
+    int64_t rows;
+    int64_t ld;
+    int64_t batch_stride;
+} mc_kv_segment;
+
+/* Per-diffusion-step coefficients of the DDPM ancestral update (mar.md 6.4),
+ * rounded from the float64 tables to float32 at use, as the reference does. */
+typedef struct mc_ddpm_coefs {
+    float sqrt_recip_alphas_cumprod;
+    float sqrt_recipm1_alphas_cumprod;
+    float posterior_mean_coef1;
+    float posterior_mean_coef2;
+    float log_beta;              /* max_log of LEARNED_RANGE */
+    float posterior_log_variance; /* min_log (clipped posterior log variance) */
+    float noise_scale;            /* temperature, or 0 at the last step */
+} mc_ddpm_coefs;
+
+struct mc_ops {
+    const char *name;
+    void (*destroy)(mc_backend *be);
+
+    /* memory */
+    void *(*alloc)(mc_backend *be, size_t bytes, mc_err *err);
+    void (*release)(mc_backend *be, void *ptr);
+    mc_status (*upload)(mc_backend *be, void *dst, const void *host_src, size_t bytes, mc_err *err);
+    mc_status (*download)(mc_backend *be, void *host_dst, const void *src, size_t bytes, mc_err *err);
+    mc_status (*copy)(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err);
+
+    /* C[m,n] = alpha * op(A) op(B) + beta * C; op(X) = X or X^T. */
+    mc_status (*gemm)(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                      float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                      float beta, float *c, int64_t ldc, mc_err *err);
+
+    /* y = beta * y + act(x W^T + bias). x [rows, in], W [out, in] contiguous
+     * (nn.Linear layout), bias [out] or NULL. beta is 0 or 1; with beta = 1
+     * act must be NONE (residual accumulation). */
+    mc_status (*linear)(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                        const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                        float *y, int64_t ldy, mc_err *err);
+
+    /* y = LN(x) over dim with biased variance and eps; then * w + b when w
+     * (and b) are non-NULL; then * (1 + scale[r]) + shift[r] when shift/scale
+     * are non-NULL (adaLN, rows of length dim with stride ld_mod). y may be x. */
+    mc_status (*layernorm)(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
+                           const float *w, const float *b, float eps, const float *shift,
+                           const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err);
+
+    /* In place: x = act(x). */
+    mc_status (*activation)(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
+                            int64_t dim, mc_err *err);
+
+    /* y[r, :] += v[r % period, :]  (positional embeddings, per-step vectors). */
+    mc_status (*add_rows)(mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim,
+                          const float *v, int64_t ldv, int64_t period, mc_err *err);
+
+    /* y += gate * u, elementwise over [rows, dim] (adaLN gated residual). */
+    mc_status (*gated_add)(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
+                           const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err);
+
+    /* dst[i, :] = src[idx[i], :] for i < rows (idx in backend memory). */
+    mc_status (*gather_rows)(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                             int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
+    /* dst[idx[i], :] = src[i, :]. */
+    mc_status (*scatter_rows)(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
+
+    /* Multi-head attention, no mask: for each batch item b and head h,
+     * out_bh = softmax(scale * q_bh k_bh^T) v_bh with keys/values the
+     * concatenation of the segments. q row i of item b, head h is at
+     * q + b * q_bstride + i * ldq + h * head_dim; out likewise. */
+    mc_status (*attention)(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                           float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                           const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
+                           int64_t o_bstride, mc_err *err);
+
+    /* GroupNorm over NHWC [batch, hw, channels] (statistics per image and
+     * group over hw x channels/groups, biased variance), affine, optional
+     * swish afterwards. y may be x. */
+    mc_status (*groupnorm)(mc_backend *be, const float *x, int64_t batch, int64_t hw,
+                           int64_t channels, int groups, const float *w, const float *b, float eps,
+                           int swish, float *y, mc_err *err);
+
+    /* 2-D convolution, stride 1, zero padding ksize / 2, NHWC in and out.
+     * w is packed [cout, ksize, ksize, cin] (the loader repacks PyTorch's
+     * [cout, cin, kh, kw]); bias [cout] or NULL. y = beta * y + conv(x). */
+    mc_status (*conv2d)(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                        int64_t width, int64_t cin, const float *w, const float *bias,
+                        int64_t cout, int ksize, float beta, float *y, mc_err *err);
+
+    /* Nearest-neighbour x2 upsampling, NHWC [batch, h, w, c] -> [batch, 2h, 2w, c]. */
+    mc_status (*upsample_nearest2x)(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                                    int64_t width, int64_t channels, float *y, mc_err *err);
+
+    /* Classifier-free guidance on eps: out = u + scale * (c - u) for the
+     * first `channels` columns of each row. */
+    mc_status (*cfg_combine)(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,
+                             int64_t ldu, int64_t rows, int channels, float scale, float *out,
+                             int64_t ldo, mc_err *err);
+
+    /* One DDPM ancestral step with LEARNED_RANGE variance, in place on
+     * x [rows, channels]: eps and v are the first and second `channels`
+     * columns of model output rows (stride ld_out); noise [rows, channels]
+     * may be NULL when coefs->noise_scale == 0. */
+    mc_status (*ddpm_step)(mc_backend *be, float *x, int64_t rows, int channels, const float *eps,
+                           int64_t ld_eps, const float *v, int64_t ld_v, const float *noise,
+                           const mc_ddpm_coefs *coefs, mc_err *err);
+
+    /* Philox normals for rows of tokens (see core/philox.h): row i gets the
+     * `channels` normals of (seed, image[i], stream, position[i], step). */
+    mc_status (*token_normals)(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
+                               const uint32_t *image, const uint32_t *position, int64_t rows,
+                               int channels, float *out, mc_err *err);
+};
+
+struct mc_backend {
+    const mc_ops *ops;
+    int device_index;
+    void *impl;  /* backend-private state: scratch pools, handles, streams */
+};
+
+/* Backend factories. The CPU backend always exists. */
+mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err);
+static inline void mc_backend_destroy(mc_backend *be) {
+    if (be != NULL)
+        be->ops->destroy(be);
+}
+
+/* Reusable scratch of the CPU backend (grow-only; valid until the next call). */
+float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err);
+
+#endif

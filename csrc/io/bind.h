@@ -1,0 +1,64 @@
+/* Binding of checkpoint tensors to model structs: look a name up in a
+ * safetensors file, check its shape, convert to float32 once and upload it
+ * to the backend. Every failure names the file, the key, and the expected
+ * and actual shapes. The loader owns what it uploads until the model takes
+ * the allocation list over with mc_loader_take_allocations(). */
+#ifndef MC_BIND_H
+#define MC_BIND_H
+
+#include <stdint.h>
+
+#include "../backend/ops.h"
+#include "../core/mc_core.h"
+#include "safetensors.h"
+
+typedef enum mc_bind_layout {
+    MC_BIND_AS_IS = 0,     /* keep the stored C-order layout */
+    MC_BIND_CONV_OHWI = 1  /* 4-D conv weight [O, I, kh, kw] repacked to [O, kh, kw, I] */
+} mc_bind_layout;
+
+/* Device allocations made on behalf of a model, freed together. */
+typedef struct mc_alloc_list {
+    void **ptrs;
+    int64_t count;
+    int64_t capacity;
+    size_t bytes;
+} mc_alloc_list;
+
+typedef struct mc_loader {
+    const mc_st_file *file;
+    mc_backend *backend;
+    mc_err *err;
+    mc_alloc_list allocations;
+    float *host_scratch; /* conversion buffer, grown as needed */
+    size_t host_scratch_floats;
+} mc_loader;
+
+void mc_loader_init(mc_loader *ld, const mc_st_file *file, mc_backend *backend, mc_err *err);
+/* Frees the scratch and, unless taken over, every upload. */
+void mc_loader_finish(mc_loader *ld);
+/* Hands the allocation list to the caller (who frees it with mc_alloc_list_free). */
+mc_alloc_list mc_loader_take_allocations(mc_loader *ld);
+void mc_alloc_list_free(mc_alloc_list *list, mc_backend *backend);
+/* Registers one more allocation in the list (for buffers a model makes itself). */
+mc_status mc_alloc_list_push(mc_alloc_list *list, void *ptr, size_t bytes, mc_err *err);
+
+/* Binds `name` (shape must be exactly `shape[0..ndim)`) into a fresh backend
+ * buffer of float32. Missing key -> MC_ERR_KEY; wrong rank or shape ->
+ * MC_ERR_VALUE; both messages name the file and the key. */
+mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shape,
+                  mc_bind_layout layout, float **out);
+
+/* printf-style name variant: mc_bindf(ld, &p, 2, (int64_t[]){a, b}, "blocks.%d.w", i). */
+mc_status mc_bindf(mc_loader *ld, float **out, int ndim, const int64_t *shape, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
+
+/* True when the file has a tensor of this name. */
+int mc_loader_has(const mc_loader *ld, const char *name);
+/* Shape of a tensor (ndim and dims) without binding it; MC_ERR_KEY when absent. */
+mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t shape[8]);
+
+#endif
