@@ -215,7 +215,17 @@ static mc_status check_nothing_left(const mc_st_file *file, const vae_binder *bd
     return MC_OK;
 }
 
-/* Reads the hyper-parameters back from tensor shapes (mar.md 8.1/8.3). */
+static int64_t gcd64(int64_t a, int64_t b) {
+    while (b != 0) {
+        int64_t r = a % b;
+        a = b;
+        b = r;
+    }
+    return a;
+}
+
+/* Reads the hyper-parameters back from tensor shapes (mar.md 8.1/8.3);
+ * bind_all then checks every shape against them. */
 static mc_status infer_config(const mc_st_file *file, vae_binder *bd, mc_vae_info *info) {
     const char *path = file->path != NULL ? file->path : "<memory>";
     int ndim;
@@ -229,12 +239,11 @@ static mc_status infer_config(const mc_st_file *file, vae_binder *bd, mc_vae_inf
     info->z_channels = shape[0];
 
     MC_TRY(mc_loader_shape(&bd->loader, "decoder.conv_out.weight", &ndim, shape));
-    if (ndim != 4 || shape[1] <= 0)
+    if (ndim != 4)
         return mc_fail(bd->err, MC_ERR_VALUE,
-                       "%s: 'decoder.conv_out.weight' must be a [3, ch, 3, 3] conv weight (rank %d)",
+                       "%s: 'decoder.conv_out.weight' must be a [3, C, 3, 3] conv weight (rank %d)",
                        path, ndim);
     info->out_channels = shape[0];
-    info->ch = shape[1];
     if (info->out_channels != 3)
         return mc_fail(bd->err, MC_ERR_VALUE,
                        "%s: 'decoder.conv_out.weight' has %lld output channels, expected 3 (RGB)",
@@ -256,21 +265,30 @@ static mc_status infer_config(const mc_st_file *file, vae_binder *bd, mc_vae_inf
         blocks++;
     info->num_res_blocks = blocks - 1;
 
+    /* Only the products ch * ch_mult[level] are observable. ch is their
+     * greatest common divisor, which is conv_out's input width whenever
+     * ch_mult[0] == 1 (all released configs) and still sensible otherwise
+     * (the same rule as tests/reference/vae.py). */
+    int64_t level_channels[MC_VAE_MAX_LEVELS];
+    int64_t gcd = 0;
     for (int level = 0; level < levels; level++) {
         char name[VAE_NAME_LEN];
         snprintf(name, sizeof name, "decoder.up.%d.block.0.conv1.weight", level);
         MC_TRY(mc_loader_shape(&bd->loader, name, &ndim, shape));
-        if (ndim != 4 || shape[0] <= 0 || shape[0] % info->ch != 0)
+        if (ndim != 4 || shape[0] <= 0)
             return mc_fail(bd->err, MC_ERR_VALUE,
-                           "%s: '%s' must be a [ch * ch_mult, C_in, 3, 3] conv weight with ch = %lld "
-                           "(from decoder.conv_out.weight); got rank %d, first dim %lld",
-                           path, name, (long long)info->ch, ndim, ndim > 0 ? (long long)shape[0] : 0LL);
-        info->ch_mult[level] = shape[0] / info->ch;
+                           "%s: '%s' must be a [C_out, C_in, 3, 3] conv weight; got rank %d", path,
+                           name, ndim);
         if (shape[0] % VAE_GROUPS != 0)
             return mc_fail(bd->err, MC_ERR_VALUE,
                            "%s: level %d has %lld channels, not a multiple of the %d GroupNorm groups",
                            path, level, (long long)shape[0], VAE_GROUPS);
+        level_channels[level] = shape[0];
+        gcd = gcd64(gcd, shape[0]);
     }
+    info->ch = gcd;
+    for (int level = 0; level < levels; level++)
+        info->ch_mult[level] = level_channels[level] / gcd;
     info->upscale = (int64_t)1 << (levels - 1);
     return MC_OK;
 }
@@ -564,15 +582,18 @@ mc_status mc_vae_to_uint8(const float *x, int64_t count, uint8_t *out) {
         return MC_ERR_VALUE;
     int saw_nan = 0;
     for (int64_t i = 0; i < count; i++) {
-        /* Same float32 operation order as (x + 1) / 2 * 255 in NumPy. */
-        float scaled = (x[i] + 1.0f) / 2.0f * 255.0f;
+        /* In double: every float32 input is exact there, so values that
+         * land within float32 rounding of a .5 boundary round the same way
+         * as the float64 reference (the original does this in float16, so
+         * neither width is "the" reference; double is the reproducible one). */
+        double scaled = ((double)x[i] + 1.0) / 2.0 * 255.0;
         if (scaled != scaled) {
             saw_nan = 1;
             out[i] = 0;
             continue;
         }
-        scaled = scaled < 0.0f ? 0.0f : (scaled > 255.0f ? 255.0f : scaled);
-        out[i] = (uint8_t)nearbyintf(scaled); /* default rounding: half to even, like np.round */
+        scaled = scaled < 0.0 ? 0.0 : (scaled > 255.0 ? 255.0 : scaled);
+        out[i] = (uint8_t)nearbyint(scaled); /* default rounding: half to even, like np.round */
     }
     return saw_nan ? MC_ERR_NUMERIC : MC_OK;
 }

@@ -52,9 +52,9 @@ mc_status mc_vae_decode(mc_vae *vae, const float *tokens_host, int64_t n_images,
                         int64_t channels, float *out_nhwc_host, int (*cancel)(void *ctx),
                         void *cancel_ctx, mc_err *err);
 
-/* out[i] = round_half_even(clip((x[i] + 1) / 2 * 255, 0, 255)) in float32
- * arithmetic, as engine_mar.evaluate does (mar.md 8.4). NaN maps to 0 and
- * makes the call return MC_ERR_NUMERIC (after converting everything). */
+/* out[i] = round_half_even(clip((x[i] + 1) / 2 * 255, 0, 255)) as
+ * engine_mar.evaluate does (mar.md 8.4), computed in double. NaN maps to 0
+ * and makes the call return MC_ERR_NUMERIC (after converting everything). */
 mc_status mc_vae_to_uint8(const float *x, int64_t count, uint8_t *out);
 
 #endif

@@ -594,6 +594,27 @@ static PyObject *op_upsample(PyObject *self, PyObject *args, PyObject *kwds) {
     return (PyObject *)y;
 }
 
+/* _vae_to_uint8(x) -> uint8 array like x: mc_vae_to_uint8 (test hook). */
+static PyObject *op_vae_to_uint8(PyObject *self, PyObject *obj) {
+    (void)self;
+    PyArrayObject *x = as_float32(obj, "x");
+    if (x == NULL)
+        return NULL;
+    PyArrayObject *y = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(x), PyArray_DIMS(x), NPY_UINT8);
+    if (y == NULL) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    mc_status st = mc_vae_to_uint8(PyArray_DATA(x), PyArray_SIZE(x), PyArray_DATA(y));
+    Py_DECREF(x);
+    if (st != MC_OK) {
+        Py_DECREF(y);
+        PyErr_SetString(PyExc_FloatingPointError, "to_uint8: input contains NaN");
+        return NULL;
+    }
+    return (PyObject *)y;
+}
+
 static PyMethodDef vae_module_methods[] = {
     {"_op_groupnorm", (PyCFunction)(void (*)(void))op_groupnorm, METH_VARARGS | METH_KEYWORDS,
      "_op_groupnorm(x [B, ..., C], groups, weight=None, bias=None, eps=1e-6, swish=False, "
@@ -604,6 +625,8 @@ static PyMethodDef vae_module_methods[] = {
     {"_op_upsample_nearest2x", (PyCFunction)(void (*)(void))op_upsample,
      METH_VARARGS | METH_KEYWORDS,
      "_op_upsample_nearest2x(x [B, H, W, C], num_threads=0) -> [B, 2H, 2W, C] (test hook)."},
+    {"_vae_to_uint8", op_vae_to_uint8, METH_O,
+     "_vae_to_uint8(x) -> uint8: round_half_even(clip((x + 1) / 2 * 255, 0, 255)) (test hook)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -59,10 +59,12 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
 
     /* One scratch request holds, in doubles: per-channel partial sums per
      * pixel block [nblocks][channels] and the per-channel group mean
-     * [channels]; then, in floats, the per-channel affine coefficients
-     * y = x * scale + shift. Doubles first keeps them 8-byte aligned. */
+     * [channels]; then, in floats, the per-channel coefficients of
+     * y = (x - mean) * scale + shift. Doubles first keeps them aligned.
+     * (Folding the mean into the shift would save a subtraction but cancels
+     * catastrophically when the variance is ~0 and scale ~ 1/sqrt(eps).) */
     size_t doubles = (size_t)(nblocks + 1) * (size_t)channels;
-    size_t floats = 2 * doubles + 2 * (size_t)channels;
+    size_t floats = 2 * doubles + 3 * (size_t)channels;
     float *scratch = mc_cpu_scratch(be, MC_GN_SCRATCH_SLOT, floats, err);
     if (scratch == NULL)
         return err->status;
@@ -70,6 +72,7 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
     double *chan_mean = partial + nblocks * channels;
     float *scale_c = scratch + 2 * doubles;
     float *shift_c = scale_c + channels;
+    float *mean_c = shift_c + channels;
     const int parallel = hw * channels >= MC_CONV_PARALLEL_MIN_ELEMS;
     const double count = (double)hw * (double)per_group;
 
@@ -125,9 +128,9 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
             for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
                 double gamma = w != NULL ? (double)w[c] : 1.0;
                 double beta = b != NULL ? (double)b[c] : 0.0;
-                double a = gamma * inv_std;
-                scale_c[c] = (float)a;
-                shift_c[c] = (float)(beta - chan_mean[c] * a);
+                scale_c[c] = (float)(gamma * inv_std);
+                shift_c[c] = (float)beta;
+                mean_c[c] = (float)chan_mean[c];
             }
         }
 
@@ -138,10 +141,10 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
             float *py = yi + p * channels;
             if (swish)
                 for (int64_t c = 0; c < channels; c++)
-                    py[c] = mc_silu(px[c] * scale_c[c] + shift_c[c]);
+                    py[c] = mc_silu((px[c] - mean_c[c]) * scale_c[c] + shift_c[c]);
             else
                 for (int64_t c = 0; c < channels; c++)
-                    py[c] = px[c] * scale_c[c] + shift_c[c];
+                    py[c] = (px[c] - mean_c[c]) * scale_c[c] + shift_c[c];
         }
     }
     return MC_OK;
@@ -246,30 +249,55 @@ static void im2col_rows(const float *x, int64_t height, int64_t width, int64_t c
 /* How the kxk path uses the cores. MC_CONV_PER_THREAD: every OpenMP thread
  * takes whole chunks (im2col + single-threaded GEMM into its own scratch
  * slot). MC_CONV_SHARED: one chunk at a time, im2col split by OpenMP and the
- * GEMM threaded by OpenBLAS. Chosen once from MARCACHE_CONV_MODE (tests and
- * benchmarks), default per-thread (measured faster on 2 cores, see
- * mc_cpu_conv2d). */
+ * GEMM threaded by OpenBLAS. MARCACHE_CONV_MODE=shared|per_thread picks one
+ * (tests and benchmarks); the default is the one measured faster (see the
+ * comment in mc_cpu_conv2d). Read per call: getenv is cheap next to a conv. */
 enum { MC_CONV_PER_THREAD = 0, MC_CONV_SHARED = 1 };
 
 static int conv_mode(void) {
-    static int mode = -1; /* benign race: every thread computes the same value */
-    if (mode < 0) {
-        const char *env = getenv("MARCACHE_CONV_MODE");
-        mode = (env != NULL && strcmp(env, "shared") == 0) ? MC_CONV_SHARED : MC_CONV_PER_THREAD;
-    }
-    return mode;
+    const char *env = getenv("MARCACHE_CONV_MODE");
+    if (env != NULL && strcmp(env, "shared") == 0)
+        return MC_CONV_SHARED;
+    if (env != NULL && strcmp(env, "per_thread") == 0)
+        return MC_CONV_PER_THREAD;
+    return MC_CONV_PER_THREAD;
 }
 
-static mc_status conv2d_1x1(const float *x, int64_t pixels, int64_t cin, const float *w,
-                            const float *bias, int64_t cout, float beta, float *y) {
-    /* Chunked only to keep GEMM dimensions inside 32-bit BLAS integers. */
-    for (int64_t p0 = 0; p0 < pixels; p0 += MC_BLAS_DIM_MAX) {
-        int64_t rows = pixels - p0 < MC_BLAS_DIM_MAX ? pixels - p0 : MC_BLAS_DIM_MAX;
-        float *yc = y + p0 * cout;
-        float gemm_beta = prefill_bias(yc, rows, cout, bias, beta);
-        mc_cpu_sgemm(0, 1, rows, cout, cin, 1.0f, x + p0 * cin, cin, w, cin, gemm_beta, yc, cout);
+/* Per-thread mode runs one GEMM per OpenMP thread, so OpenBLAS must stay
+ * single-threaded inside: with its own pthreads on top, each GEMM's helper
+ * threads and the OpenMP team (both spin-waiting) fight over the cores, which
+ * measured 100x slower on 2 cores for small convs. scipy-openblas32 does not
+ * export the thread-local setter, so the global count is lowered for the
+ * region and restored after; a concurrent caller meanwhile only gets
+ * single-threaded GEMMs (slower, never wrong). */
+static int blas_single_thread_begin(void) {
+    int previous = scipy_openblas_get_num_threads();
+    if (previous != 1)
+        scipy_openblas_set_num_threads(1);
+    return previous;
+}
+
+static void blas_threads_restore(int previous) {
+    if (previous != 1)
+        scipy_openblas_set_num_threads(previous);
+}
+
+/* One chunk of output rows: y rows [row0, row0 + nrows) (a row is `width`
+ * pixels) = beta * y + bias + patches x W^T. For k = 1 the input pixels are
+ * the patches already, so no im2col copy is made and col is unused. */
+static void conv_chunk(const float *x, int64_t height, int64_t width, int64_t cin, const float *w,
+                       const float *bias, int64_t cout, int ksize, float beta, float *y,
+                       int64_t row0, int64_t nrows, float *col) {
+    const int64_t patch = (int64_t)ksize * ksize * cin;
+    const int64_t pixels = nrows * width;
+    const float *a = x + row0 * width * cin;
+    if (ksize > 1) {
+        im2col_rows(x, height, width, cin, ksize, row0, nrows, col);
+        a = col;
     }
-    return MC_OK;
+    float *yc = y + row0 * width * cout;
+    float gemm_beta = prefill_bias(yc, pixels, cout, bias, beta);
+    mc_cpu_sgemm(0, 1, pixels, cout, patch, 1.0f, a, patch, w, patch, gemm_beta, yc, cout);
 }
 
 mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t height,
@@ -279,77 +307,81 @@ mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t h
         return mc_fail(err, MC_ERR_INTERNAL, "conv2d: kernel size %d is not odd", ksize);
     if (batch <= 0 || height <= 0 || width <= 0 || cout <= 0)
         return MC_OK;
-    if (ksize == 1)
-        return conv2d_1x1(x, batch * height * width, cin, w, bias, cout, beta, y);
-
+    /* A 1x1 conv has no spatial coupling: view it as batch*height*width rows
+     * of one pixel each, so chunks can split anywhere. */
+    if (ksize == 1) {
+        height = batch * height * width;
+        width = 1;
+        batch = 1;
+    }
     const int64_t patch = (int64_t)ksize * ksize * cin;
     if (patch > MC_BLAS_DIM_MAX || width > MC_BLAS_DIM_MAX / patch)
         return mc_fail(err, MC_ERR_VALUE, "conv2d: one row of %lld x %lld x %lld taps is too large",
                        (long long)width, (long long)ksize * ksize, (long long)cin);
     const int64_t total_rows = batch * height;
-    const int64_t row_floats = width * patch;
-    int64_t rows_per_chunk = (int64_t)(MC_CONV_CHUNK_FLOATS / (size_t)row_floats);
+    /* im2col floats per output row; for k = 1 the chunk bound only keeps
+     * the GEMM's M inside 32-bit BLAS integers. */
+    const int64_t row_floats = ksize > 1 ? width * patch : 0;
+    int64_t rows_per_chunk = ksize > 1 ? (int64_t)(MC_CONV_CHUNK_FLOATS / (size_t)row_floats)
+                                       : MC_BLAS_DIM_MAX;
     if (rows_per_chunk < 1)
         rows_per_chunk = 1;
     int threads = mc_cpu_threads(be);
     if (threads > 62)
-        threads = 62; /* slots 0..61; MC_GN_SCRATCH_SLOT stays free */
-    const int mode = conv_mode();
+        threads = 62; /* scratch slots 0..61; MC_GN_SCRATCH_SLOT stays free */
 
-    if (mode == MC_CONV_PER_THREAD && threads > 1) {
-        /* Enough chunks that every thread gets work, in equal sizes. */
+    if (conv_mode() == MC_CONV_PER_THREAD) {
+        /* Chunks in a multiple of the thread count and of equal size, so the
+         * static schedule is balanced. */
         int64_t nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-        if (nchunks < threads)
-            nchunks = threads < total_rows ? threads : total_rows;
-        else
-            nchunks = (nchunks + threads - 1) / threads * threads;
+        nchunks = (nchunks + threads - 1) / threads * threads;
+        if (nchunks > total_rows)
+            nchunks = total_rows;
         rows_per_chunk = (total_rows + nchunks - 1) / nchunks;
         nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
         if (threads > nchunks)
             threads = (int)nchunks;
-        float *cols[62];
-        for (int t = 0; t < threads; t++) {
+        float *cols[62] = {0};
+        for (int t = 0; t < threads && ksize > 1; t++) {
             cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
             if (cols[t] == NULL)
                 return err->status;
         }
-#pragma omp parallel num_threads(threads)
-        {
-            /* Each thread owns its chunks: a threaded GEMM inside would only
-             * oversubscribe the cores. */
-            int previous = scipy_openblas_set_num_threads_local(1);
-            float *col = cols[omp_get_thread_num()];
-#pragma omp for schedule(static)
-            for (int64_t chunk = 0; chunk < nchunks; chunk++) {
-                int64_t row0 = chunk * rows_per_chunk;
-                int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
-                int64_t pixels = nrows * width;
-                float *yc = y + row0 * width * cout;
-                im2col_rows(x, height, width, cin, ksize, row0, nrows, col);
-                float gemm_beta = prefill_bias(yc, pixels, cout, bias, beta);
-                mc_cpu_sgemm(0, 1, pixels, cout, patch, 1.0f, col, patch, w, patch, gemm_beta, yc,
-                             cout);
-            }
-            scipy_openblas_set_num_threads_local(previous);
+        int blas_threads = blas_single_thread_begin();
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t chunk = 0; chunk < nchunks; chunk++) {
+            int64_t row0 = chunk * rows_per_chunk;
+            int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
+            conv_chunk(x, height, width, cin, w, bias, cout, ksize, beta, y, row0, nrows,
+                       cols[omp_get_thread_num()]);
         }
+        blas_threads_restore(blas_threads);
         return MC_OK;
     }
 
-    /* Shared mode (or one thread): chunks in order, both halves threaded. */
+    /* Shared mode: chunks in order; im2col split by OpenMP, GEMM threaded by
+     * OpenBLAS. */
     if (rows_per_chunk > total_rows)
         rows_per_chunk = total_rows;
-    float *col = mc_cpu_scratch(be, 0, (size_t)(rows_per_chunk * row_floats), err);
-    if (col == NULL)
-        return err->status;
+    float *col = NULL;
+    if (ksize > 1) {
+        col = mc_cpu_scratch(be, 0, (size_t)(rows_per_chunk * row_floats), err);
+        if (col == NULL)
+            return err->status;
+    }
     for (int64_t row0 = 0; row0 < total_rows; row0 += rows_per_chunk) {
         int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
         int64_t pixels = nrows * width;
-        float *yc = y + row0 * width * cout;
+        const float *a = x + row0 * width * cin;
+        if (ksize > 1) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && nrows > 1)
-        for (int64_t r = 0; r < nrows; r++)
-            im2col_rows(x, height, width, cin, ksize, row0 + r, 1, col + r * row_floats);
+            for (int64_t r = 0; r < nrows; r++)
+                im2col_rows(x, height, width, cin, ksize, row0 + r, 1, col + r * row_floats);
+            a = col;
+        }
+        float *yc = y + row0 * width * cout;
         float gemm_beta = prefill_bias(yc, pixels, cout, bias, beta);
-        mc_cpu_sgemm(0, 1, pixels, cout, patch, 1.0f, col, patch, w, patch, gemm_beta, yc, cout);
+        mc_cpu_sgemm(0, 1, pixels, cout, patch, 1.0f, a, patch, w, patch, gemm_beta, yc, cout);
     }
     return MC_OK;
 }
