@@ -102,6 +102,7 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
     float *shift_c = scale_c + channels;
     float *mean_c = shift_c + channels;
     const int parallel = hw * channels >= MC_CONV_PARALLEL_MIN_ELEMS;
+    const int threads = mc_cpu_threads(be);
     const double count = (double)hw * (double)per_group;
 
     for (int64_t img = 0; img < batch; img++) {
@@ -110,7 +111,7 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
 
         /* Pass 1: per-channel sums, then group means. Summing channel by
          * channel first keeps the inner loop contiguous in NHWC. */
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
         for (int64_t blk = 0; blk < nblocks; blk++) {
             double *acc = partial + blk * channels;
             for (int64_t c = 0; c < channels; c++)
@@ -133,7 +134,7 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
 
         /* Pass 2: centred sum of squares (two-pass variance: no cancellation
          * for inputs with a large mean). */
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
         for (int64_t blk = 0; blk < nblocks; blk++) {
             double *acc = partial + blk * channels;
             for (int64_t c = 0; c < channels; c++)
@@ -163,7 +164,7 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
         }
 
         /* Pass 3: affine (and swish) in one sweep; y may alias x. */
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
         for (int64_t p = 0; p < hw; p++) {
             const float *px = xi + p * channels;
             float *py = yi + p * channels;
@@ -418,11 +419,12 @@ mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t h
 
 mc_status mc_cpu_upsample_nearest2x(mc_backend *be, const float *x, int64_t batch, int64_t height,
                                     int64_t width, int64_t channels, float *y, mc_err *err) {
-    (void)be;
     (void)err;
+    const int threads = mc_cpu_threads(be);
     const int64_t out_rows = batch * 2 * height;
     const size_t pixel_bytes = (size_t)channels * sizeof(float);
-#pragma omp parallel for schedule(static) if (out_rows * 2 * width * channels >= MC_CONV_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (out_rows * 2 * width * channels >= MC_CONV_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < out_rows; r++) {
         /* Output row r = (image n, row oy) reads input row oy / 2 of image n. */
         int64_t n = r / (2 * height), oy = r % (2 * height);
