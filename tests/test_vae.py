@@ -2,9 +2,10 @@
 (tests/reference/vae.py), with random weights written in the official key
 layout (mar.md section 8.3, Appendix B)."""
 import ctypes
-import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -192,6 +193,22 @@ def test_official_config_decodes_full_size(official_file):
     assert np.isfinite(images).all()
     assert images.std() > 0
     assert seconds < 30, "one 256x256 decode took %.1f s" % seconds
+
+
+def test_ctrl_c_interrupts_decode(official_file):
+    """SIGINT during a decode surfaces as KeyboardInterrupt at the next stage
+    boundary, and the VAE stays usable afterwards."""
+    vae = C.VAE(official_file)
+    tokens = tokens_for(np.random.default_rng(11), 4, 16, 16)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            vae.decode(tokens)
+    finally:
+        timer.cancel()
+    small = tokens_for(np.random.default_rng(12), 1, 2, 16)
+    assert vae.decode(small).shape == (1, 32, 32, 3)
 
 
 # ----- refusing the wrong files ------------------------------------------------------
