@@ -38,6 +38,7 @@ typedef struct mc_st_file {
     int64_t n_metadata;
     char **metadata_keys;
     char **metadata_values;
+    int64_t *name_order;    /* tensor indices sorted by name, for mc_st_find's binary search */
 } mc_st_file;
 
 /* Missing file -> MC_ERR_NOT_FOUND; unreadable -> MC_ERR_IO; any format

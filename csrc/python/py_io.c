@@ -1,0 +1,177 @@
+/* Python access to the safetensors reader: safetensors_read (all tensors as
+ * float32 NumPy arrays) and safetensors_info (names, dtypes, shapes). Both
+ * return the metadata dict as well. The GIL is released while the file is
+ * mapped and validated and while tensors are converted. */
+#include "py_numpy.h"
+
+#include "../io/safetensors.h"
+
+/* Opens `path` (str, bytes or os.PathLike) with the GIL released. Returns
+ * the file or NULL with an exception set. */
+static mc_st_file *open_without_gil(PyObject *path_arg) {
+    PyObject *path_bytes = NULL;
+    if (!PyUnicode_FSConverter(path_arg, &path_bytes))
+        return NULL;
+    const char *path = PyBytes_AS_STRING(path_bytes);
+    mc_err err = {0};
+    mc_st_file *file = NULL;
+    mc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = mc_st_open(path, &file, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_bytes);
+    if (status != MC_OK) {
+        mcpy_raise(&err);
+        return NULL;
+    }
+    return file;
+}
+
+static PyObject *metadata_dict(const mc_st_file *file) {
+    PyObject *dict = PyDict_New();
+    if (dict == NULL)
+        return NULL;
+    for (int64_t i = 0; i < file->n_metadata; i++) {
+        PyObject *value = PyUnicode_FromString(file->metadata_values[i]);
+        if (value == NULL || PyDict_SetItemString(dict, file->metadata_keys[i], value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(dict);
+            return NULL;
+        }
+        Py_DECREF(value);
+    }
+    return dict;
+}
+
+static PyObject *shape_tuple(const mc_st_tensor *t) {
+    PyObject *tuple = PyTuple_New(t->ndim);
+    if (tuple == NULL)
+        return NULL;
+    for (int d = 0; d < t->ndim; d++) {
+        PyObject *dim = PyLong_FromLongLong((long long)t->shape[d]);
+        if (dim == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, d, dim);
+    }
+    return tuple;
+}
+
+static int converts_to_f32(mc_dtype dtype) {
+    return dtype == MC_DT_F32 || dtype == MC_DT_F16 || dtype == MC_DT_BF16 || dtype == MC_DT_F64;
+}
+
+static PyObject *py_safetensors_read(PyObject *self, PyObject *path_arg) {
+    (void)self;
+    mc_st_file *file = open_without_gil(path_arg);
+    if (file == NULL)
+        return NULL;
+    PyObject *tensors = NULL, *metadata = NULL, *result = NULL;
+    PyArrayObject **arrays = NULL;
+    int64_t n = file->n_tensors;
+    mc_err err = {0};
+    mc_status status = MC_OK;
+
+    /* Check every dtype before allocating any array, so a file with one
+     * integer tensor fails fast and names it. */
+    for (int64_t i = 0; i < n; i++) {
+        const mc_st_tensor *t = &file->tensors[i];
+        if (!converts_to_f32(t->dtype)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: key '%s' has dtype %s; safetensors_read converts only F32, F16, BF16 and F64 to "
+                         "float32",
+                         file->path, t->name, mc_dtype_name(t->dtype));
+            goto done;
+        }
+    }
+    arrays = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *arrays);
+    if (arrays == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const mc_st_tensor *t = &file->tensors[i];
+        npy_intp dims[MC_ST_MAX_DIMS];
+        for (int d = 0; d < t->ndim; d++)
+            dims[d] = (npy_intp)t->shape[d];
+        arrays[i] = (PyArrayObject *)PyArray_SimpleNew(t->ndim, dims, NPY_FLOAT32);
+        if (arrays[i] == NULL)
+            goto done;
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < n && status == MC_OK; i++)
+        status = mc_st_to_f32(file, &file->tensors[i], (float *)PyArray_DATA(arrays[i]), &err);
+    Py_END_ALLOW_THREADS
+    if (status != MC_OK) {
+        mcpy_raise(&err);
+        goto done;
+    }
+
+    tensors = PyDict_New();
+    if (tensors == NULL)
+        goto done;
+    for (int64_t i = 0; i < n; i++)
+        if (PyDict_SetItemString(tensors, file->tensors[i].name, (PyObject *)arrays[i]) < 0)
+            goto done;
+    metadata = metadata_dict(file);
+    if (metadata == NULL)
+        goto done;
+    result = PyTuple_Pack(2, tensors, metadata);
+
+done:
+    if (arrays != NULL) {
+        for (int64_t i = 0; i < n; i++)
+            Py_XDECREF(arrays[i]);
+        PyMem_Free(arrays);
+    }
+    Py_XDECREF(tensors);
+    Py_XDECREF(metadata);
+    mc_st_close(file);
+    return result;
+}
+
+static PyObject *py_safetensors_info(PyObject *self, PyObject *path_arg) {
+    (void)self;
+    mc_st_file *file = open_without_gil(path_arg);
+    if (file == NULL)
+        return NULL;
+    PyObject *entries = NULL, *metadata = NULL, *result = NULL;
+    entries = PyList_New((Py_ssize_t)file->n_tensors);
+    if (entries == NULL)
+        goto done;
+    for (int64_t i = 0; i < file->n_tensors; i++) {
+        const mc_st_tensor *t = &file->tensors[i];
+        PyObject *shape = shape_tuple(t);
+        if (shape == NULL)
+            goto done;
+        PyObject *entry = Py_BuildValue("(ssN)", t->name, mc_dtype_name(t->dtype), shape);
+        if (entry == NULL)
+            goto done;
+        PyList_SET_ITEM(entries, (Py_ssize_t)i, entry);
+    }
+    metadata = metadata_dict(file);
+    if (metadata == NULL)
+        goto done;
+    result = PyTuple_Pack(2, entries, metadata);
+
+done:
+    Py_XDECREF(entries);
+    Py_XDECREF(metadata);
+    mc_st_close(file);
+    return result;
+}
+
+static PyMethodDef io_methods[] = {
+    {"safetensors_read", py_safetensors_read, METH_O,
+     "safetensors_read(path) -> (dict name -> float32 ndarray, metadata dict)\n\n"
+     "Strictly validates the file, then converts every F32/F16/BF16/F64 tensor to a\n"
+     "C-ordered float32 array of its stored shape; other dtypes raise ValueError."},
+    {"safetensors_info", py_safetensors_info, METH_O,
+     "safetensors_info(path) -> (list of (name, dtype, shape), metadata dict)\n\n"
+     "Strictly validates the file and lists its tensors in header order."},
+    {NULL, NULL, 0, NULL},
+};
+
+int mcpy_io_init(PyObject *module) { return PyModule_AddFunctions(module, io_methods); }
