@@ -6,8 +6,11 @@
  * exactly the online-softmax merge of the segments), and O = sum_s P_s V_s
  * accumulates one GEMM per segment. No K/V bytes are copied.
  *
- * (batch, head) pairs are independent, so OpenMP splits them and each thread
- * asks OpenBLAS for single-threaded GEMMs: small GEMMs run best that way. */
+ * (batch, head) pairs are independent, so OpenMP splits them and OpenBLAS
+ * is held to one thread meanwhile: these GEMMs are small, and nested
+ * threading would oversubscribe the cores. (scipy-openblas32 declares but
+ * does not export the thread-local variant, so the setting is process-wide
+ * for the duration of the call.) */
 #include <math.h>
 #include <omp.h>
 
@@ -57,9 +60,11 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             return err->status;
     }
 
+    const int blas_threads = scipy_openblas_get_num_threads();
+    if (threads > 1)
+        scipy_openblas_set_num_threads(1);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t pair = 0; pair < pairs; pair++) {
-        int previous = scipy_openblas_set_num_threads_local(1);
         int64_t b = pair / heads, h = pair % heads;
         float *s = scores[omp_get_thread_num()];
         const float *qb = q + b * q_bstride + h * head_dim;
@@ -85,7 +90,8 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             col += segs[g].rows;
             first = 0;
         }
-        scipy_openblas_set_num_threads_local(previous);
     }
+    if (threads > 1)
+        scipy_openblas_set_num_threads(blas_threads);
     return MC_OK;
 }

@@ -1,0 +1,289 @@
+"""Float64 references of the backend ops of csrc/backend/ops.h.
+
+Arrays replace the (pointer, leading dimension) pairs of the C interface:
+pass slices for column sub-blocks. Every op returns a new float64 array and
+never modifies its inputs. Conventions:
+  * nn.Linear layout: W [out, in], y = x W^T + b.
+  * NHWC images: [batch, height, width, channels].
+"""
+import math
+
+import numpy as np
+
+from . import philox
+
+ACT_NONE = "none"
+ACT_GELU = "gelu"
+ACT_SILU = "silu"
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def f64(x):
+    """Float64 copy-or-view of an array-like."""
+    return np.asarray(x, dtype=np.float64)
+
+
+# --------------------------------------------------------------------------
+# dense
+# --------------------------------------------------------------------------
+
+def gemm(a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None):
+    """C = alpha * op(A) op(B) + beta * C, op(X) = X or X^T.
+
+    With beta == 0 the old C is ignored (as BLAS does: 0 * NaN is not
+    propagated)."""
+    a = f64(a)
+    b = f64(b)
+    oa = a.T if trans_a else a
+    ob = b.T if trans_b else b
+    out = float(alpha) * (oa @ ob)
+    if beta != 0.0:
+        out = out + float(beta) * f64(c)
+    return out
+
+
+def gelu(x):
+    """Exact GELU: 0.5 x (1 + erf(x / sqrt 2)) (mar.md 1.2, nn.GELU default)."""
+    x = f64(x)
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)) in float64 (exp overflow gives exactly 0)."""
+    x = f64(x)
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x):
+    """SiLU / swish: x * sigmoid(x)."""
+    x = f64(x)
+    return x * sigmoid(x)
+
+
+def activation(x, act):
+    """act(x) for act in {"none", "gelu", "silu"}."""
+    if act == ACT_NONE or act is None:
+        return f64(x).copy()
+    if act == ACT_GELU:
+        return gelu(x)
+    if act == ACT_SILU:
+        return silu(x)
+    raise ValueError("unknown activation %r" % (act,))
+
+
+def linear(x, w, bias=None, act=ACT_NONE, beta=0.0, y=None):
+    """y = beta * y + act(x W^T + bias). x [..., in], W [out, in].
+
+    As in ops.h, beta is 0 or 1 and beta = 1 requires act == "none"
+    (residual accumulation)."""
+    if beta not in (0.0, 1.0):
+        raise ValueError("beta must be 0 or 1")
+    if beta == 1.0 and act not in (ACT_NONE, None):
+        raise ValueError("beta = 1 needs act = none")
+    out = f64(x) @ f64(w).T
+    if bias is not None:
+        out = out + f64(bias)
+    out = activation(out, act)
+    if beta == 1.0:
+        out = f64(y) + out
+    return out
+
+
+def layernorm(x, w=None, b=None, eps=1e-6, shift=None, scale=None):
+    """LayerNorm over the last dimension (PyTorch semantics).
+
+    y = (x - mean) / sqrt(var_biased + eps); then y * w + b when w (and b)
+    are given; then y * (1 + scale) + shift when shift/scale are given
+    (adaLN modulation, broadcast against y)."""
+    x = f64(x)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    if w is not None:
+        y = y * f64(w)
+    if b is not None:
+        y = y + f64(b)
+    if shift is not None or scale is not None:
+        y = y * (1.0 + f64(scale)) + f64(shift)
+    return y
+
+
+def add_rows(y, v, period=None):
+    """y[r, :] + v[r % period, :] for a 2-D y [rows, dim], v [period, dim]."""
+    y = f64(y)
+    v = f64(v)
+    if period is None:
+        period = v.shape[0]
+    idx = np.arange(y.shape[0]) % int(period)
+    return y + v[idx]
+
+
+def gated_add(y, u, gate):
+    """y + gate * u elementwise (adaLN gated residual)."""
+    return f64(y) + f64(gate) * f64(u)
+
+
+def gather_rows(src, idx):
+    """dst[i, :] = src[idx[i], :]."""
+    return f64(src)[np.asarray(idx, dtype=np.int64)]
+
+
+def scatter_rows(dst, idx, src):
+    """Copy of dst with dst[idx[i], :] = src[i, :]."""
+    out = f64(dst).copy()
+    out[np.asarray(idx, dtype=np.int64)] = f64(src)
+    return out
+
+
+# --------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------
+
+def softmax(s, axis=-1):
+    """Numerically stable softmax (max subtracted; exact same maths)."""
+    s = f64(s)
+    s = s - s.max(axis=axis, keepdims=True)
+    e = np.exp(s)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def attention(q, segments, heads, scale=None):
+    """Multi-head attention without mask over a list of K/V segments.
+
+    q: [batch, nq, heads * hd] (or [nq, heads * hd]); segments: list of
+    (k, v) pairs, each [batch, rows_s, heads * hd] (rows_s may be 0). The
+    keys/values are the row concatenation of the segments. Head h uses
+    columns h*hd .. (h+1)*hd - 1 of q, k, v and writes the same columns of
+    the output. scale defaults to hd^-0.5. Returns [batch, nq, heads*hd]
+    (or 2-D if q was 2-D)."""
+    q = f64(q)
+    squeeze = q.ndim == 2
+    if squeeze:
+        q = q[None]
+        segments = [(f64(k)[None], f64(v)[None]) for k, v in segments]
+    k = np.concatenate([f64(k) for k, _ in segments], axis=1)
+    v = np.concatenate([f64(v) for _, v in segments], axis=1)
+    batch, nq, width = q.shape
+    hd = width // heads
+    if hd * heads != width:
+        raise ValueError("width not divisible by heads")
+    if scale is None:
+        scale = hd ** -0.5
+    out = np.empty_like(q)
+    for h in range(heads):
+        cols = slice(h * hd, (h + 1) * hd)
+        s = float(scale) * np.einsum("bqd,bkd->bqk", q[:, :, cols], k[:, :, cols])
+        out[:, :, cols] = np.einsum("bqk,bkd->bqd", softmax(s, axis=-1), v[:, :, cols])
+    return out[0] if squeeze else out
+
+
+# --------------------------------------------------------------------------
+# convolutional (NHWC)
+# --------------------------------------------------------------------------
+
+def groupnorm(x, groups, w, b, eps=1e-6, swish=False):
+    """GroupNorm on NHWC [batch, ..., channels]: statistics per image and
+    group over all spatial positions x channels/groups, biased variance;
+    affine w, b [channels]; optional swish afterwards."""
+    x = f64(x)
+    shape = x.shape
+    n, c = shape[0], shape[-1]
+    if c % groups:
+        raise ValueError("channels not divisible by groups")
+    xg = x.reshape(n, -1, groups, c // groups)
+    mean = xg.mean(axis=(1, 3), keepdims=True)
+    var = ((xg - mean) ** 2).mean(axis=(1, 3), keepdims=True)
+    y = ((xg - mean) / np.sqrt(var + eps)).reshape(shape)
+    y = y * f64(w) + f64(b)
+    if swish:
+        y = silu(y)
+    return y
+
+
+def conv2d(x, w, bias=None, beta=0.0, y=None):
+    """2-D convolution, stride 1, zero padding k // 2, NHWC in and out.
+
+    x [N, H, W, Cin]; w in PyTorch layout [Cout, Cin, k, k] (odd k);
+    bias [Cout] or None. Returns beta * y + conv(x) + bias.
+    out[n, i, j, o] = sum_{c, dy, dx} x[n, i+dy-p, j+dx-p, c] w[o, c, dy, dx]."""
+    x = f64(x)
+    w = f64(w)
+    cout, cin, kh, kw = w.shape
+    if kh != kw or kh % 2 == 0 or x.shape[-1] != cin:
+        raise ValueError("bad conv shapes %s %s" % (x.shape, w.shape))
+    pad = kh // 2
+    n, hgt, wid, _ = x.shape
+    xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    out = np.zeros((n, hgt, wid, cout))
+    for dy in range(kh):
+        for dx in range(kw):
+            out += xp[:, dy:dy + hgt, dx:dx + wid, :] @ w[:, :, dy, dx].T
+    if bias is not None:
+        out += f64(bias)
+    if beta != 0.0:
+        out = float(beta) * f64(y) + out
+    return out
+
+
+def conv_weight_to_packed(w):
+    """PyTorch [Cout, Cin, k, k] -> the C backend's packed [Cout, k, k, Cin]."""
+    return np.ascontiguousarray(np.transpose(np.asarray(w), (0, 2, 3, 1)))
+
+
+def upsample_nearest2x(x):
+    """Nearest x2 on NHWC: out[n, y, x, c] = in[n, y // 2, x // 2, c]."""
+    x = f64(x)
+    return np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
+
+
+# --------------------------------------------------------------------------
+# diffusion
+# --------------------------------------------------------------------------
+
+def cfg_combine(cond, uncond, scale, channels=None):
+    """Guided eps: u + scale * (c - u) on the first `channels` columns."""
+    cond = f64(cond)
+    uncond = f64(uncond)
+    if channels is None:
+        channels = cond.shape[-1]
+    c = cond[..., :channels]
+    u = uncond[..., :channels]
+    return u + float(scale) * (c - u)
+
+
+DDPM_COEF_NAMES = ("sqrt_recip_alphas_cumprod", "sqrt_recipm1_alphas_cumprod",
+                   "posterior_mean_coef1", "posterior_mean_coef2", "log_beta",
+                   "posterior_log_variance", "noise_scale")
+
+
+def ddpm_step(x, eps, v, noise, coefs):
+    """One DDPM ancestral step with LEARNED_RANGE variance (mar.md 6.4).
+
+    coefs: mapping with the keys of DDPM_COEF_NAMES (the float32-rounded
+    table entries of the current spaced index, noise_scale = temperature,
+    or 0 at the last step). noise may be None when noise_scale == 0.
+      x0   = sqrt_recip_ac * x - sqrt_recipm1_ac * eps   (no clamp)
+      mu   = coef1 * x0 + coef2 * x
+      f    = (v + 1) / 2                                  (no clamp)
+      logs = f * log_beta + (1 - f) * posterior_log_variance
+      x'   = mu + noise_scale * exp(0.5 * logs) * noise
+    """
+    x = f64(x)
+    eps = f64(eps)
+    v = f64(v)
+    g = {k: float(coefs[k]) for k in DDPM_COEF_NAMES}
+    x0 = g["sqrt_recip_alphas_cumprod"] * x - g["sqrt_recipm1_alphas_cumprod"] * eps
+    mu = g["posterior_mean_coef1"] * x0 + g["posterior_mean_coef2"] * x
+    if g["noise_scale"] == 0.0:
+        return mu
+    frac = (v + 1.0) / 2.0
+    log_var = frac * g["log_beta"] + (1.0 - frac) * g["posterior_log_variance"]
+    return mu + g["noise_scale"] * np.exp(0.5 * log_var) * f64(noise)
+
+
+def token_normals(seed, stream, step, image, position, channels):
+    """ops.h token_normals: row i gets the `channels` Philox normals of
+    (seed, image[i], stream, position[i], step); float32 [rows, channels]."""
+    return philox.token_normals(seed, image, position, stream, step, channels)
