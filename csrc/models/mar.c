@@ -273,15 +273,19 @@ static float *model_buffer(mc_mar *m, size_t floats, mc_err *err) {
     return p;
 }
 
-/* GLIDE/DiT sinusoidal embedding (cos first, then sin), in double rounded
- * to float: at most one float ulp from the float32 reference computation. */
+/* GLIDE/DiT sinusoidal embedding (cos first, then sin). The reference
+ * evaluates it on float32 tensors; every float32 rounding of that chain is
+ * kept here, while exp/cos/sin are taken in double and rounded once (so the
+ * result does not depend on the libm's float versions). */
 static void timestep_frequencies(int32_t t, float *out) {
     const int half = MAR_TIME_FREQ_DIM / 2;
+    const float neg_log_period = (float)(-log(10000.0));
     for (int k = 0; k < half; k++) {
-        double freq = exp(-log(10000.0) * (double)k / (double)half);
-        double arg = (double)t * (double)(float)freq;
-        out[k] = (float)cos(arg);
-        out[half + k] = (float)sin(arg);
+        float exponent = (neg_log_period * (float)k) / (float)half;
+        float freq = (float)exp((double)exponent);
+        float arg = (float)t * freq;
+        out[k] = (float)cos((double)arg);
+        out[half + k] = (float)sin((double)arg);
     }
 }
 
