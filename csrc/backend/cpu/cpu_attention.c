@@ -6,15 +6,10 @@
  * exactly the online-softmax merge of the segments), and O = sum_s P_s V_s
  * accumulates one GEMM per segment. No K/V bytes are copied.
  *
- * (batch, head) pairs are independent, so OpenMP splits them and OpenBLAS
- * is held to one thread meanwhile: these GEMMs are small, and nested
- * threading would oversubscribe the cores. (scipy-openblas32 declares but
- * does not export the thread-local variant, so the setting is process-wide
- * for the duration of the call.) */
+ * (batch, head) pairs are independent, so OpenMP splits them; the GEMMs
+ * inside run serially (mc_cpu_sgemm does not nest parallel regions). */
 #include <math.h>
 #include <omp.h>
-
-#include <cblas.h>
 
 #include "cpu_internal.h"
 
@@ -60,9 +55,6 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             return err->status;
     }
 
-    const int blas_threads = scipy_openblas_get_num_threads();
-    if (threads > 1)
-        scipy_openblas_set_num_threads(1);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t pair = 0; pair < pairs; pair++) {
         int64_t b = pair / heads, h = pair % heads;
@@ -91,7 +83,5 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             first = 0;
         }
     }
-    if (threads > 1)
-        scipy_openblas_set_num_threads(blas_threads);
     return MC_OK;
 }
