@@ -612,7 +612,7 @@ BAD_CALLS = [
     ("gemm-shape", "cpu", "gemm", (_m(3, 4), _m(5, 2)), {}, ValueError,
      "gemm: argument 'B': expected shape (4, ?), got (5, 2)"),
     ("gemm-dtype", "cpu", "gemm", (_m(3, 4, dtype=np.float64), _m(4, 2)), {}, ValueError,
-     "gemm: argument 'A': expected dtype float32, got float64"),
+     "gemm: argument 'A': expected dtype float32 (native byte order), got float64"),
     ("gemm-rank", "cpu", "gemm", (_m(3), _m(4, 2)), {}, ValueError,
      "gemm: argument 'A': expected 2 dimensions"),
     ("gemm-not-array", "cpu", "gemm", ([[1.0]], _m(1, 1)), {}, ValueError,

@@ -242,8 +242,9 @@ static int fetch_array(op_call *call, Py_ssize_t index, const char *arg, int typ
         return -1;
     }
     PyArrayObject *arr = (PyArrayObject *)obj;
-    if (PyArray_TYPE(arr) != typenum) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected dtype %s, got %S",
+    if (PyArray_TYPE(arr) != typenum || !PyArray_ISNOTSWAPPED(arr)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s': expected dtype %s (native byte order), got %S",
                      call->op_name, arg, dtype_name(typenum), (PyObject *)PyArray_DESCR(arr));
         return -1;
     }
