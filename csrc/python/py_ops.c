@@ -42,8 +42,9 @@
  *   scatter_rows (src [rows,dim] strided, idx int32 [rows], dst [n,dim]
  *                strided) -> dst (idx in [0, n) and pairwise distinct)
  *   attention    (q [B,nq,H*hd], k1, v1, k2, v2, ...), each k/v
- *                [B,rows_s,H*hd] (rows_s may be 0, at least one key in all),
- *                all strided; heads, scale=hd**-0.5 -> out [B,nq,H*hd].
+ *                [B,rows_s,H*hd] (1 to 8 segments; rows_s may be 0, at least
+ *                one key in all), all strided; heads, scale=hd**-0.5
+ *                -> out [B,nq,H*hd].
  *                k_s and v_s share one ld and batch stride in mc_kv_segment:
  *                if their strides differ both are copied to C order.
  *   groupnorm    (x [B,HW,C], w [C], b [C]); groups, eps, swish=False,
@@ -242,8 +243,9 @@ static int fetch_array(op_call *call, Py_ssize_t index, const char *arg, int typ
         return -1;
     }
     PyArrayObject *arr = (PyArrayObject *)obj;
-    if (PyArray_TYPE(arr) != typenum) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected dtype %s, got %S",
+    if (PyArray_TYPE(arr) != typenum || !PyArray_ISNOTSWAPPED(arr)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s': expected dtype %s (native byte order), got %S",
                      call->op_name, arg, dtype_name(typenum), (PyObject *)PyArray_DESCR(arr));
         return -1;
     }
@@ -638,7 +640,8 @@ static PyObject *run_gemm(op_call *call) {
     int64_t m = trans_a ? a->shape[1] : a->shape[0];
     int64_t k = trans_a ? a->shape[0] : a->shape[1];
     int64_t n = trans_b ? b->shape[0] : b->shape[1];
-    if (check_shape(call, b, trans_b ? (dim_rule[]){RULE_ANY, RULE_EQ(k)} : (dim_rule[]){RULE_EQ(k), RULE_ANY}) < 0)
+    dim_rule b_rule_nt[] = {RULE_EQ(k), RULE_ANY}, b_rule_t[] = {RULE_ANY, RULE_EQ(k)};
+    if (check_shape(call, b, trans_b ? b_rule_t : b_rule_nt) < 0)
         return NULL;
     if (c == NULL) {
         c = new_zeros(call, "C", NPY_FLOAT, 2, (int64_t[]){m, n});
@@ -912,7 +915,8 @@ static PyObject *run_attention(op_call *call) {
             fetch_array(call, 2 + 2 * s, v_names[s], NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED,
                         &v) < 0 ||
             check_shape(call, k, (dim_rule[]){RULE_EQ(batch), RULE_ANY, RULE_EQ(width)}) < 0 ||
-            check_shape(call, v, (dim_rule[]){RULE_EQ(batch), RULE_EQ(k->shape[1]), RULE_EQ(width)}) < 0)
+            check_shape(call, v,
+                        (dim_rule[]){RULE_EQ(batch), RULE_EQ(k->shape[1]), RULE_EQ(width)}) < 0)
             return NULL;
         /* A segment has one ld and one batch stride for k and v. */
         if ((operand_ld(k) != operand_ld(v) ||
@@ -962,7 +966,8 @@ static PyObject *run_groupnorm(op_call *call) {
     if (eps <= 0.0f)
         return raise_value(call, "param 'eps' must be positive");
     if (channels % groups != 0) {
-        PyErr_Format(PyExc_ValueError, "groupnorm: param 'groups' = %lld does not divide %lld channels",
+        PyErr_Format(PyExc_ValueError,
+                     "groupnorm: param 'groups' = %lld does not divide %lld channels",
                      groups, (long long)channels);
         return NULL;
     }
@@ -1022,8 +1027,9 @@ static PyObject *run_conv2d(op_call *call) {
     if (y == NULL) {
         if ((y = new_zeros(call, "y", NPY_FLOAT, 4, out_shape)) == NULL)
             return NULL;
-    } else if (check_shape(call, y, (dim_rule[]){RULE_EQ(batch), RULE_EQ(height), RULE_EQ(width), RULE_EQ(cout)}) <
-               0) {
+    } else if (check_shape(call, y,
+                           (dim_rule[]){RULE_EQ(batch), RULE_EQ(height), RULE_EQ(width),
+                                        RULE_EQ(cout)}) < 0) {
         return NULL;
     }
     PyArrayObject *packed = repack_conv_weight(w->host);
@@ -1116,7 +1122,8 @@ static PyObject *run_ddpm_step(op_call *call) {
         return raise_value(call, "argument 'x': too many channels");
     dim_rule head_out[] = {RULE_EQ(rows), RULE_GE(channels)};
     if (check_shape(call, eps, head_out) < 0 || check_shape(call, v, head_out) < 0 ||
-        (noise != NULL && check_shape(call, noise, (dim_rule[]){RULE_EQ(rows), RULE_EQ(channels)}) < 0))
+        (noise != NULL &&
+         check_shape(call, noise, (dim_rule[]){RULE_EQ(rows), RULE_EQ(channels)}) < 0))
         return NULL;
     if (noise == NULL && coefs.noise_scale != 0.0f)
         return raise_value(call, "argument 'noise' is required when noise_scale != 0");
