@@ -53,7 +53,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    if (mcpy_io_init(module) < 0 || mcpy_ops_init(module) < 0 || mcpy_mar_init(module) < 0) {
+    if (mcpy_io_init(module) < 0 || mcpy_ops_init(module) < 0 || mcpy_mar_init(module) < 0 ||
+        mcpy_vae_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -41,6 +41,10 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
 mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t height,
                         int64_t width, int64_t cin, const float *w, const float *bias,
                         int64_t cout, int ksize, float beta, float *y, mc_err *err);
+/* Plain-loop reference of mc_cpu_conv2d (same contract), for tests. */
+mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                              int64_t width, int64_t cin, const float *w, const float *bias,
+                              int64_t cout, int ksize, float beta, float *y, mc_err *err);
 mc_status mc_cpu_upsample_nearest2x(mc_backend *be, const float *x, int64_t batch, int64_t height,
                                     int64_t width, int64_t channels, float *y, mc_err *err);
 mc_status mc_cpu_cfg_combine(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,

@@ -1,0 +1,642 @@
+/* Python binding of the KL-16 VAE decoder (marcache._C.VAE) and test hooks
+ * for the CPU conv-side ops (_op_groupnorm, _op_conv2d,
+ * _op_upsample_nearest2x), which take NHWC float32 arrays and, for conv2d,
+ * PyTorch-layout weights. */
+#include "py_numpy.h"
+
+#include <math.h>
+#include <pythread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../backend/cpu/cpu_internal.h"
+#include "../io/safetensors.h"
+#include "../models/vae.h"
+
+/* ------------------------------------------------------------ array helpers */
+
+static void format_shape(PyArrayObject *arr, char *buf, size_t len) {
+    size_t used = (size_t)snprintf(buf, len, "(");
+    for (int d = 0; d < PyArray_NDIM(arr) && used < len; d++)
+        used += (size_t)snprintf(buf + used, len - used, d ? ", %lld" : "%lld",
+                                 (long long)PyArray_DIM(arr, d));
+    if (used < len)
+        snprintf(buf + used, len - used, PyArray_NDIM(arr) == 1 ? ",)" : ")");
+}
+
+/* Any real numeric array-like -> new reference to a C-contiguous float32
+ * array. Complex, bool, object and string data are refused rather than
+ * silently cast. */
+static PyArrayObject *as_float32(PyObject *obj, const char *what) {
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROM_O(obj);
+    if (arr == NULL)
+        return NULL;
+    char kind = PyArray_DESCR(arr)->kind;
+    if (kind != 'f' && kind != 'i' && kind != 'u') {
+        PyErr_Format(PyExc_ValueError, "%s must be a real numeric array convertible to float32, "
+                     "got dtype kind '%c'", what, kind);
+        Py_DECREF(arr);
+        return NULL;
+    }
+    PyObject *f32 = PyArray_FromAny((PyObject *)arr, PyArray_DescrFromType(NPY_FLOAT32), 0, 0,
+                                    NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST,
+                                    NULL);
+    Py_DECREF(arr);
+    return (PyArrayObject *)f32;
+}
+
+/* ------------------------------------------------------------------- VAE */
+
+typedef struct {
+    PyObject_HEAD
+    mc_backend *backend;
+    mc_vae *vae;
+    mc_vae_info info;
+    /* One decode at a time: the VAE reuses its activation buffers and the
+     * backend its scratch. Taken with the GIL released. */
+    PyThread_type_lock lock;
+} VAEObject;
+
+static void vae_release_model(VAEObject *self) {
+    mc_vae_free(self->vae);
+    self->vae = NULL;
+    mc_backend_destroy(self->backend);
+    self->backend = NULL;
+}
+
+static void VAE_dealloc(VAEObject *self) {
+    vae_release_model(self);
+    if (self->lock != NULL)
+        PyThread_free_lock(self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", "num_threads", NULL};
+    PyObject *path_bytes = NULL;
+    int num_threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|i:VAE", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &num_threads))
+        return -1;
+    if (num_threads < 0) {
+        Py_DECREF(path_bytes);
+        PyErr_SetString(PyExc_ValueError, "num_threads must be >= 0 (0 = all OpenMP threads)");
+        return -1;
+    }
+    if (self->lock == NULL) {
+        self->lock = PyThread_allocate_lock();
+        if (self->lock == NULL) {
+            Py_DECREF(path_bytes);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    vae_release_model(self); /* __init__ called again on a live object */
+
+    const char *path = PyBytes_AS_STRING(path_bytes);
+    mc_err err = {0};
+    mc_st_file *file = NULL;
+    mc_backend *backend = NULL;
+    mc_vae *vae = NULL;
+    mc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mc_st_open(path, &file, &err);
+    if (st == MC_OK)
+        st = mc_backend_cpu_create(&backend, num_threads, &err);
+    if (st == MC_OK)
+        st = mc_vae_load(backend, file, &vae, &err);
+    mc_st_close(file);
+    if (st != MC_OK) {
+        mc_backend_destroy(backend);
+        backend = NULL;
+    }
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_bytes);
+    if (st != MC_OK) {
+        mcpy_raise(&err);
+        return -1;
+    }
+    self->backend = backend;
+    self->vae = vae;
+    mc_vae_get_info(vae, &self->info);
+    return 0;
+}
+
+/* Polls for Ctrl-C from inside the GIL-free decode: takes the GIL back just
+ * long enough to run the signal handlers. */
+typedef struct {
+    PyThreadState *thread_state;
+} vae_cancel_ctx;
+
+static int vae_cancel_check(void *ctx) {
+    vae_cancel_ctx *c = ctx;
+    PyEval_RestoreThread(c->thread_state);
+    int interrupted = PyErr_CheckSignals() < 0;
+    c->thread_state = PyEval_SaveThread();
+    return interrupted;
+}
+
+/* Validates tokens [n, S, C] (S a perfect square, C == z_channels) and
+ * returns them as float32; *side gets sqrt(S). */
+static PyArrayObject *vae_tokens_arg(VAEObject *self, PyObject *obj, int64_t *side) {
+    if (self->vae == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "VAE is not initialised");
+        return NULL;
+    }
+    PyArrayObject *tokens = as_float32(obj, "tokens");
+    if (tokens == NULL)
+        return NULL;
+    char shape[160];
+    format_shape(tokens, shape, sizeof shape);
+    long long z = (long long)self->info.z_channels;
+    if (PyArray_NDIM(tokens) != 3) {
+        PyErr_Format(PyExc_ValueError, "tokens must have shape [n, seq_len, %lld], got shape %s",
+                     z, shape);
+        goto fail;
+    }
+    int64_t seq_len = PyArray_DIM(tokens, 1), channels = PyArray_DIM(tokens, 2);
+    int64_t s = (int64_t)llround(sqrt((double)seq_len));
+    if (seq_len <= 0 || s * s != seq_len) {
+        PyErr_Format(PyExc_ValueError,
+                     "tokens must have shape [n, seq_len, %lld] with seq_len a positive perfect "
+                     "square (e.g. 256 = 16 x 16), got shape %s", z, shape);
+        goto fail;
+    }
+    if (channels != self->info.z_channels) {
+        PyErr_Format(PyExc_ValueError,
+                     "tokens must have shape [n, %lld, %lld] (channels = z_channels), got shape %s",
+                     (long long)seq_len, z, shape);
+        goto fail;
+    }
+    if (s > 16384 / self->info.upscale) {
+        PyErr_Format(PyExc_ValueError, "tokens of shape %s would decode to images over 16384 pixels a side",
+                     shape);
+        goto fail;
+    }
+    *side = s;
+    return tokens;
+fail:
+    Py_DECREF(tokens);
+    return NULL;
+}
+
+/* Shared body of decode / decode_uint8. With as_uint8 the images are
+ * decoded one at a time into a float buffer and converted, so the float
+ * copy of the whole batch never exists. */
+static PyObject *vae_decode_impl(VAEObject *self, PyObject *obj, int as_uint8) {
+    int64_t side;
+    PyArrayObject *tokens = vae_tokens_arg(self, obj, &side);
+    if (tokens == NULL)
+        return NULL;
+    const int64_t n = PyArray_DIM(tokens, 0), seq_len = PyArray_DIM(tokens, 1);
+    const int64_t z = self->info.z_channels, out_side = side * self->info.upscale;
+    const int64_t out_c = self->info.out_channels;
+    npy_intp dims[4] = {(npy_intp)n, (npy_intp)out_side, (npy_intp)out_side, (npy_intp)out_c};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(4, dims, as_uint8 ? NPY_UINT8 : NPY_FLOAT32);
+    if (out == NULL) {
+        Py_DECREF(tokens);
+        return NULL;
+    }
+    const int64_t image_floats = out_side * out_side * out_c;
+    float *image = NULL;
+    if (as_uint8 && n > 0) {
+        image = PyMem_RawMalloc((size_t)image_floats * sizeof(float));
+        if (image == NULL) {
+            Py_DECREF(tokens);
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+    }
+    const float *tok = PyArray_DATA(tokens);
+    mc_err err = {0};
+    mc_status st = MC_OK;
+    vae_cancel_ctx cancel = {PyEval_SaveThread()};
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    if (!as_uint8) {
+        st = mc_vae_decode(self->vae, tok, n, seq_len, z, PyArray_DATA(out), vae_cancel_check,
+                           &cancel, &err);
+    } else {
+        uint8_t *pixels = PyArray_DATA(out);
+        for (int64_t i = 0; i < n && st == MC_OK; i++) {
+            st = mc_vae_decode(self->vae, tok + i * seq_len * z, 1, seq_len, z, image,
+                               vae_cancel_check, &cancel, &err);
+            if (st == MC_OK && mc_vae_to_uint8(image, image_floats, pixels + i * image_floats) != MC_OK)
+                st = mc_fail(&err, MC_ERR_NUMERIC, "VAE decoder output of image %lld contains NaN",
+                             (long long)i);
+        }
+    }
+    PyThread_release_lock(self->lock);
+    PyEval_RestoreThread(cancel.thread_state);
+    PyMem_RawFree(image);
+    Py_DECREF(tokens);
+    if (st != MC_OK) {
+        Py_DECREF(out);
+        return mcpy_raise(&err);
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *VAE_decode(VAEObject *self, PyObject *tokens) {
+    return vae_decode_impl(self, tokens, 0);
+}
+
+static PyObject *VAE_decode_uint8(VAEObject *self, PyObject *tokens) {
+    return vae_decode_impl(self, tokens, 1);
+}
+
+static PyObject *vae_int_attr(VAEObject *self, int64_t value) {
+    if (self->vae == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "VAE is not initialised");
+        return NULL;
+    }
+    return PyLong_FromLongLong((long long)value);
+}
+
+static PyObject *VAE_get_z_channels(VAEObject *self, void *c) {
+    (void)c;
+    return vae_int_attr(self, self->info.z_channels);
+}
+static PyObject *VAE_get_ch(VAEObject *self, void *c) {
+    (void)c;
+    return vae_int_attr(self, self->info.ch);
+}
+static PyObject *VAE_get_num_res_blocks(VAEObject *self, void *c) {
+    (void)c;
+    return vae_int_attr(self, self->info.num_res_blocks);
+}
+static PyObject *VAE_get_num_params(VAEObject *self, void *c) {
+    (void)c;
+    return vae_int_attr(self, self->info.num_params);
+}
+static PyObject *VAE_get_upscale(VAEObject *self, void *c) {
+    (void)c;
+    return vae_int_attr(self, self->info.upscale);
+}
+static PyObject *VAE_get_ch_mult(VAEObject *self, void *c) {
+    (void)c;
+    if (self->vae == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "VAE is not initialised");
+        return NULL;
+    }
+    PyObject *tuple = PyTuple_New(self->info.num_levels);
+    if (tuple == NULL)
+        return NULL;
+    for (int i = 0; i < self->info.num_levels; i++) {
+        PyObject *item = PyLong_FromLongLong((long long)self->info.ch_mult[i]);
+        if (item == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, i, item);
+    }
+    return tuple;
+}
+
+static PyMethodDef VAE_methods[] = {
+    {"decode", (PyCFunction)VAE_decode, METH_O,
+     "decode(tokens: float32 [n, S, z_channels]) -> float32 [n, H, W, 3]\n\n"
+     "Tokens are in the scaled latent space (divided by 0.2325 here); S = side^2,\n"
+     "H = W = side * upscale. Output is nominally in [-1, 1], not clamped."},
+    {"decode_uint8", (PyCFunction)VAE_decode_uint8, METH_O,
+     "decode_uint8(tokens) -> uint8 [n, H, W, 3]: round_half_even(clip((x + 1) / 2 * 255))."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef VAE_getset[] = {
+    {"z_channels", (getter)VAE_get_z_channels, NULL, "latent channels (token width)", NULL},
+    {"ch", (getter)VAE_get_ch, NULL, "base channel count", NULL},
+    {"ch_mult", (getter)VAE_get_ch_mult, NULL, "channel multipliers per level (tuple)", NULL},
+    {"num_res_blocks", (getter)VAE_get_num_res_blocks, NULL,
+     "Decoder num_res_blocks (each up level has this + 1 ResnetBlocks)", NULL},
+    {"num_params", (getter)VAE_get_num_params, NULL, "parameters bound (post_quant_conv + decoder)",
+     NULL},
+    {"upscale", (getter)VAE_get_upscale, NULL, "output side / latent side", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject VAE_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "marcache._C.VAE",
+    .tp_basicsize = sizeof(VAEObject),
+    .tp_dealloc = (destructor)VAE_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "VAE(path, num_threads=0): MAR's KL-16 VAE decoder loaded from a safetensors file\n"
+              "in the official key layout (post_quant_conv.* and decoder.*), run on the CPU.",
+    .tp_methods = VAE_methods,
+    .tp_getset = VAE_getset,
+    .tp_init = (initproc)VAE_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------- op hooks */
+
+/* Runs one op on a fresh CPU backend (cheap to make) so the hooks share no
+ * scratch and need no lock. */
+typedef mc_status (*op_body)(mc_backend *be, void *args, mc_err *err);
+
+static PyObject *run_op(int num_threads, op_body body, void *args) {
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    mc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mc_backend_cpu_create(&be, num_threads, &err);
+    if (st == MC_OK)
+        st = body(be, args, &err);
+    mc_backend_destroy(be);
+    Py_END_ALLOW_THREADS
+    if (st != MC_OK)
+        return mcpy_raise(&err);
+    Py_RETURN_NONE;
+}
+
+/* Optional [n] float32 vector argument (None -> NULL array). */
+static int vector_arg(PyObject *obj, int64_t n, const char *what, PyArrayObject **out) {
+    *out = NULL;
+    if (obj == NULL || obj == Py_None)
+        return 0;
+    PyArrayObject *arr = as_float32(obj, what);
+    if (arr == NULL)
+        return -1;
+    if (PyArray_NDIM(arr) != 1 || PyArray_DIM(arr, 0) != n) {
+        char shape[160];
+        format_shape(arr, shape, sizeof shape);
+        PyErr_Format(PyExc_ValueError, "%s must have shape (%lld,), got %s", what, (long long)n,
+                     shape);
+        Py_DECREF(arr);
+        return -1;
+    }
+    *out = arr;
+    return 0;
+}
+
+static const float *data_or_null(PyArrayObject *arr) {
+    return arr != NULL ? (const float *)PyArray_DATA(arr) : NULL;
+}
+
+typedef struct {
+    const float *x, *w, *b;
+    int64_t batch, hw, channels;
+    int groups, swish;
+    float eps;
+    float *y;
+} groupnorm_args;
+
+static mc_status groupnorm_body(mc_backend *be, void *p, mc_err *err) {
+    groupnorm_args *a = p;
+    return be->ops->groupnorm(be, a->x, a->batch, a->hw, a->channels, a->groups, a->w, a->b,
+                              a->eps, a->swish, a->y, err);
+}
+
+/* _op_groupnorm(x [B, ..., C], groups, weight=None, bias=None, eps=1e-6,
+ * swish=False, num_threads=0) -> array like x. */
+static PyObject *op_groupnorm(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"x", "groups", "weight", "bias", "eps", "swish", "num_threads", NULL};
+    PyObject *x_obj, *w_obj = Py_None, *b_obj = Py_None;
+    int groups, swish = 0, num_threads = 0;
+    double eps = 1e-6;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|OOdpi:_op_groupnorm", kwlist, &x_obj, &groups,
+                                     &w_obj, &b_obj, &eps, &swish, &num_threads))
+        return NULL;
+    PyArrayObject *x = as_float32(x_obj, "x"), *w = NULL, *b = NULL, *y = NULL;
+    PyObject *result = NULL;
+    if (x == NULL)
+        return NULL;
+    if (PyArray_NDIM(x) < 2) {
+        PyErr_SetString(PyExc_ValueError, "x must be [batch, ..., channels]");
+        goto done;
+    }
+    int64_t channels = PyArray_DIM(x, PyArray_NDIM(x) - 1), batch = PyArray_DIM(x, 0);
+    if (groups <= 0 || channels % groups != 0) {
+        PyErr_Format(PyExc_ValueError, "%lld channels do not split into %d groups",
+                     (long long)channels, groups);
+        goto done;
+    }
+    if (vector_arg(w_obj, channels, "weight", &w) < 0 || vector_arg(b_obj, channels, "bias", &b) < 0)
+        goto done;
+    y = (PyArrayObject *)PyArray_NewLikeArray(x, NPY_CORDER, NULL, 0);
+    if (y == NULL)
+        goto done;
+    int64_t total = PyArray_SIZE(x);
+    groupnorm_args a = {PyArray_DATA(x), data_or_null(w), data_or_null(b), batch,
+                        batch > 0 && channels > 0 ? total / batch / channels : 0, channels,
+                        groups, swish, (float)eps, PyArray_DATA(y)};
+    result = run_op(num_threads, groupnorm_body, &a);
+    if (result != NULL) {
+        Py_DECREF(result);
+        result = (PyObject *)y;
+        y = NULL;
+    }
+done:
+    Py_XDECREF(x);
+    Py_XDECREF(w);
+    Py_XDECREF(b);
+    Py_XDECREF(y);
+    return result;
+}
+
+typedef struct {
+    const float *x, *w, *b;
+    int64_t batch, height, width, cin, cout;
+    int ksize, naive;
+    float beta;
+    float *y;
+} conv2d_args;
+
+static mc_status conv2d_body(mc_backend *be, void *p, mc_err *err) {
+    conv2d_args *a = p;
+    if (a->naive)
+        return mc_cpu_conv2d_naive(be, a->x, a->batch, a->height, a->width, a->cin, a->w, a->b,
+                                   a->cout, a->ksize, a->beta, a->y, err);
+    return be->ops->conv2d(be, a->x, a->batch, a->height, a->width, a->cin, a->w, a->b, a->cout,
+                           a->ksize, a->beta, a->y, err);
+}
+
+/* _op_conv2d(x [B, H, W, Cin], weight [Cout, Cin, k, k] (PyTorch layout),
+ * bias=None, y=None, beta=0.0, naive=False, num_threads=0)
+ * -> beta * y + conv(x) as [B, H, W, Cout]. */
+static PyObject *op_conv2d(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"x", "weight", "bias", "y", "beta", "naive", "num_threads", NULL};
+    PyObject *x_obj, *w_obj, *b_obj = Py_None, *y_obj = Py_None;
+    double beta = 0.0;
+    int naive = 0, num_threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOdpi:_op_conv2d", kwlist, &x_obj, &w_obj,
+                                     &b_obj, &y_obj, &beta, &naive, &num_threads))
+        return NULL;
+    PyArrayObject *x = as_float32(x_obj, "x"), *w = NULL, *b = NULL, *y_in = NULL, *y = NULL,
+                  *packed = NULL;
+    PyObject *result = NULL;
+    char shape[160];
+    if (x == NULL)
+        return NULL;
+    w = as_float32(w_obj, "weight");
+    if (w == NULL)
+        goto done;
+    if (PyArray_NDIM(x) != 4) {
+        format_shape(x, shape, sizeof shape);
+        PyErr_Format(PyExc_ValueError, "x must be [B, H, W, Cin], got %s", shape);
+        goto done;
+    }
+    int64_t batch = PyArray_DIM(x, 0), height = PyArray_DIM(x, 1), width = PyArray_DIM(x, 2);
+    int64_t cin = PyArray_DIM(x, 3);
+    if (PyArray_NDIM(w) != 4 || PyArray_DIM(w, 1) != cin || PyArray_DIM(w, 2) != PyArray_DIM(w, 3) ||
+        PyArray_DIM(w, 2) % 2 == 0) {
+        format_shape(w, shape, sizeof shape);
+        PyErr_Format(PyExc_ValueError, "weight must be [Cout, %lld, k, k] with k odd, got %s",
+                     (long long)cin, shape);
+        goto done;
+    }
+    int64_t cout = PyArray_DIM(w, 0), k = PyArray_DIM(w, 2);
+    if (vector_arg(b_obj, cout, "bias", &b) < 0)
+        goto done;
+    npy_intp out_dims[4] = {(npy_intp)batch, (npy_intp)height, (npy_intp)width, (npy_intp)cout};
+    if (y_obj != Py_None) {
+        y_in = as_float32(y_obj, "y");
+        if (y_in == NULL)
+            goto done;
+        if (PyArray_NDIM(y_in) != 4 || PyArray_DIM(y_in, 0) != batch || PyArray_DIM(y_in, 1) != height ||
+            PyArray_DIM(y_in, 2) != width || PyArray_DIM(y_in, 3) != cout) {
+            format_shape(y_in, shape, sizeof shape);
+            PyErr_Format(PyExc_ValueError, "y must be [%lld, %lld, %lld, %lld], got %s",
+                         (long long)batch, (long long)height, (long long)width, (long long)cout,
+                         shape);
+            goto done;
+        }
+        y = (PyArrayObject *)PyArray_NewCopy(y_in, NPY_CORDER);
+    } else {
+        /* beta must not read y when it is 0: NaN-filled output checks that. */
+        y = (PyArrayObject *)PyArray_SimpleNew(4, out_dims, NPY_FLOAT32);
+        if (y != NULL) {
+            float *yd = PyArray_DATA(y);
+            for (npy_intp i = 0; i < PyArray_SIZE(y); i++)
+                yd[i] = beta == 0.0 ? NAN : 0.0f;
+        }
+    }
+    if (y == NULL)
+        goto done;
+    /* PyTorch [Cout, Cin, kh, kw] -> packed [Cout, kh, kw, Cin]. */
+    npy_intp packed_dims[4] = {(npy_intp)cout, (npy_intp)k, (npy_intp)k, (npy_intp)cin};
+    packed = (PyArrayObject *)PyArray_SimpleNew(4, packed_dims, NPY_FLOAT32);
+    if (packed == NULL)
+        goto done;
+    const float *wt = PyArray_DATA(w);
+    float *wp = PyArray_DATA(packed);
+    for (int64_t o = 0; o < cout; o++)
+        for (int64_t i = 0; i < cin; i++)
+            for (int64_t t = 0; t < k * k; t++)
+                wp[(o * k * k + t) * cin + i] = wt[(o * cin + i) * k * k + t];
+    conv2d_args a = {PyArray_DATA(x), wp, data_or_null(b), batch, height, width, cin, cout,
+                     (int)k, naive, (float)beta, PyArray_DATA(y)};
+    result = run_op(num_threads, conv2d_body, &a);
+    if (result != NULL) {
+        Py_DECREF(result);
+        result = (PyObject *)y;
+        y = NULL;
+    }
+done:
+    Py_XDECREF(x);
+    Py_XDECREF(w);
+    Py_XDECREF(b);
+    Py_XDECREF(y_in);
+    Py_XDECREF(y);
+    Py_XDECREF(packed);
+    return result;
+}
+
+typedef struct {
+    const float *x;
+    int64_t batch, height, width, channels;
+    float *y;
+} upsample_args;
+
+static mc_status upsample_body(mc_backend *be, void *p, mc_err *err) {
+    upsample_args *a = p;
+    return be->ops->upsample_nearest2x(be, a->x, a->batch, a->height, a->width, a->channels, a->y,
+                                       err);
+}
+
+/* _op_upsample_nearest2x(x [B, H, W, C], num_threads=0) -> [B, 2H, 2W, C]. */
+static PyObject *op_upsample(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"x", "num_threads", NULL};
+    PyObject *x_obj;
+    int num_threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i:_op_upsample_nearest2x", kwlist, &x_obj,
+                                     &num_threads))
+        return NULL;
+    PyArrayObject *x = as_float32(x_obj, "x");
+    if (x == NULL)
+        return NULL;
+    if (PyArray_NDIM(x) != 4) {
+        char shape[160];
+        format_shape(x, shape, sizeof shape);
+        PyErr_Format(PyExc_ValueError, "x must be [B, H, W, C], got %s", shape);
+        Py_DECREF(x);
+        return NULL;
+    }
+    npy_intp dims[4] = {PyArray_DIM(x, 0), 2 * PyArray_DIM(x, 1), 2 * PyArray_DIM(x, 2),
+                        PyArray_DIM(x, 3)};
+    PyArrayObject *y = (PyArrayObject *)PyArray_SimpleNew(4, dims, NPY_FLOAT32);
+    if (y == NULL) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    upsample_args a = {PyArray_DATA(x), PyArray_DIM(x, 0), PyArray_DIM(x, 1), PyArray_DIM(x, 2),
+                       PyArray_DIM(x, 3), PyArray_DATA(y)};
+    PyObject *ok = run_op(num_threads, upsample_body, &a);
+    Py_DECREF(x);
+    if (ok == NULL) {
+        Py_DECREF(y);
+        return NULL;
+    }
+    Py_DECREF(ok);
+    return (PyObject *)y;
+}
+
+/* _vae_to_uint8(x) -> uint8 array like x: mc_vae_to_uint8 (test hook). */
+static PyObject *op_vae_to_uint8(PyObject *self, PyObject *obj) {
+    (void)self;
+    PyArrayObject *x = as_float32(obj, "x");
+    if (x == NULL)
+        return NULL;
+    PyArrayObject *y = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(x), PyArray_DIMS(x), NPY_UINT8);
+    if (y == NULL) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    mc_status st = mc_vae_to_uint8(PyArray_DATA(x), PyArray_SIZE(x), PyArray_DATA(y));
+    Py_DECREF(x);
+    if (st != MC_OK) {
+        Py_DECREF(y);
+        PyErr_SetString(PyExc_FloatingPointError, "to_uint8: input contains NaN");
+        return NULL;
+    }
+    return (PyObject *)y;
+}
+
+static PyMethodDef vae_module_methods[] = {
+    {"_op_groupnorm", (PyCFunction)(void (*)(void))op_groupnorm, METH_VARARGS | METH_KEYWORDS,
+     "_op_groupnorm(x [B, ..., C], groups, weight=None, bias=None, eps=1e-6, swish=False, "
+     "num_threads=0): the CPU groupnorm op (test hook)."},
+    {"_op_conv2d", (PyCFunction)(void (*)(void))op_conv2d, METH_VARARGS | METH_KEYWORDS,
+     "_op_conv2d(x [B, H, W, Cin], weight [Cout, Cin, k, k], bias=None, y=None, beta=0.0, "
+     "naive=False, num_threads=0): beta * y + conv(x), NHWC (test hook)."},
+    {"_op_upsample_nearest2x", (PyCFunction)(void (*)(void))op_upsample,
+     METH_VARARGS | METH_KEYWORDS,
+     "_op_upsample_nearest2x(x [B, H, W, C], num_threads=0) -> [B, 2H, 2W, C] (test hook)."},
+    {"_vae_to_uint8", op_vae_to_uint8, METH_O,
+     "_vae_to_uint8(x) -> uint8: round_half_even(clip((x + 1) / 2 * 255, 0, 255)) (test hook)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int mcpy_vae_init(PyObject *module) {
+    if (PyType_Ready(&VAE_type) < 0)
+        return -1;
+    Py_INCREF(&VAE_type);
+    if (PyModule_AddObject(module, "VAE", (PyObject *)&VAE_type) < 0) {
+        Py_DECREF(&VAE_type);
+        return -1;
+    }
+    return PyModule_AddFunctions(module, vae_module_methods);
+}
