@@ -38,12 +38,6 @@ def rel_err(got, want):
     return np.abs(np.asarray(got, dtype=np.float64) - want).max() / scale
 
 
-@pytest.fixture(params=["per_thread", "shared"])
-def conv_mode(request, monkeypatch):
-    monkeypatch.setenv("MARCACHE_CONV_MODE", request.param)
-    return request.param
-
-
 # ----- conv2d ----------------------------------------------------------------
 
 CONV_CASES = [
@@ -64,7 +58,7 @@ CONV_CASES = [
 @pytest.mark.parametrize("shape", CONV_CASES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
-def test_conv2d_matches_reference(shape, with_bias, beta, conv_mode):
+def test_conv2d_matches_reference(shape, with_bias, beta):
     n, h, w, cin, cout, k = shape
     rng = np.random.default_rng(hash((shape, with_bias, beta)) % 2**32)
     x = rng.standard_normal((n, h, w, cin)).astype(np.float32)
@@ -85,7 +79,7 @@ def test_conv2d_matches_reference(shape, with_bias, beta, conv_mode):
     (5, 3, 3, 7, 5, 3),        # more threads' chunks than rows per image
 ], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
-def test_conv2d_chunking(shape, num_threads, conv_mode):
+def test_conv2d_chunking(shape, num_threads):
     n, h, w, cin, cout, k = shape
     rng = np.random.default_rng(7)
     x = rng.standard_normal((n, h, w, cin)).astype(np.float32)

@@ -69,8 +69,9 @@ struct mc_ops {
                         float *y, int64_t ldy, mc_err *err);
 
     /* y = LN(x) over dim with biased variance and eps; then * w + b when w
-     * (and b) are non-NULL; then * (1 + scale[r]) + shift[r] when shift/scale
-     * are non-NULL (adaLN, rows of length dim with stride ld_mod). y may be x. */
+     * (and b) are non-NULL; then * (1 + scale[r]) + shift[r] when shift and
+     * scale (always both) are non-NULL (adaLN, rows of length dim with stride
+     * ld_mod). Statistics in double. y may be x. */
     mc_status (*layernorm)(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
                            const float *w, const float *b, float eps, const float *shift,
                            const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err);

@@ -46,7 +46,8 @@ mc_status mc_fail(mc_err *err, mc_status status, const char *fmt, ...)
             return mc_try_status_;            \
     } while (0)
 
-/* size_t multiply with overflow detection; returns 0 on overflow. */
+/* size_t multiply with overflow detection: returns 1 on overflow, else
+ * stores the product and returns 0. */
 int mc_mul_overflows(size_t a, size_t b, size_t *out);
 
 /* 64-byte aligned allocation (AVX-512 friendly); NULL on failure. */

@@ -2,6 +2,8 @@
 #define MC_PY_MODULE_MAIN
 #include "py_numpy.h"
 
+#include <time.h>
+
 #include "../backend/cpu/cpu_internal.h"
 
 #ifndef MC_BLAS_NAME
@@ -38,8 +40,55 @@ static PyObject *build_info(PyObject *self, PyObject *noargs) {
                          "openmp", _OPENMP, "compiler", __VERSION__);
 }
 
+/* Times the CPU backend's sgemm (C = A B^T, the nn.Linear form) on
+ * uninitialised-free buffers, without Python in the loop: the machine's
+ * measured GEMM rate that benchmarks report achieved FLOP/s against. */
+static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
+    (void)self;
+    long long m, n, k;
+    int reps;
+    if (!PyArg_ParseTuple(args, "LLLi", &m, &n, &k, &reps))
+        return NULL;
+    if (m < 1 || n < 1 || k < 1 || reps < 1 || m > 65536 || n > 65536 || k > 65536)
+        return PyErr_Format(PyExc_ValueError, "sgemm_seconds: sizes must be in 1..65536 and reps >= 1");
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    float *a = mc_aligned_alloc((size_t)(m * k) * sizeof(float));
+    float *b = mc_aligned_alloc((size_t)(n * k) * sizeof(float));
+    float *c = mc_aligned_alloc((size_t)(m * n) * sizeof(float));
+    double best = 0.0;
+    if (a && b && c && mc_backend_cpu_create(&be, 0, &err) == MC_OK) {
+        Py_BEGIN_ALLOW_THREADS
+        for (long long i = 0; i < m * k; i++)
+            a[i] = (float)((i % 17) - 8) * 0.01f;
+        for (long long i = 0; i < n * k; i++)
+            b[i] = (float)((i % 13) - 6) * 0.01f;
+        mc_cpu_sgemm(0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+        for (int r = 0; r < reps; r++) {
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            mc_cpu_sgemm(0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+            if (r == 0 || dt < best)
+                best = dt;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    int failed = !(a && b && c && be);
+    mc_aligned_free(a);
+    mc_aligned_free(b);
+    mc_aligned_free(c);
+    mc_backend_destroy(be);
+    if (failed)
+        return err.status != MC_OK ? mcpy_raise(&err) : PyErr_NoMemory();
+    return PyFloat_FromDouble(best);
+}
+
 static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
+    {"sgemm_seconds", sgemm_seconds, METH_VARARGS,
+     "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -53,7 +102,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    if (mcpy_io_init(module) < 0 || mcpy_ops_init(module) < 0 || mcpy_vae_init(module) < 0) {
+    if (mcpy_io_init(module) < 0 || mcpy_ops_init(module) < 0 || mcpy_mar_init(module) < 0 ||
+        mcpy_vae_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -105,8 +105,10 @@ def layernorm(x, w=None, b=None, eps=1e-6, shift=None, scale=None):
         y = y * f64(w)
     if b is not None:
         y = y + f64(b)
-    if shift is not None or scale is not None:
-        y = y * (1.0 + f64(scale)) + f64(shift)
+    if scale is not None:
+        y = y * (1.0 + f64(scale))
+    if shift is not None:
+        y = y + f64(shift)
     return y
 
 

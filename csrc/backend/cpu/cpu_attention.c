@@ -6,12 +6,10 @@
  * exactly the online-softmax merge of the segments), and O = sum_s P_s V_s
  * accumulates one GEMM per segment. No K/V bytes are copied.
  *
- * (batch, head) pairs are independent, so OpenMP splits them and each thread
- * asks OpenBLAS for single-threaded GEMMs: small GEMMs run best that way. */
+ * (batch, head) pairs are independent, so OpenMP splits them; the GEMMs
+ * inside run serially (mc_cpu_sgemm does not nest parallel regions). */
 #include <math.h>
 #include <omp.h>
-
-#include <cblas.h>
 
 #include "cpu_internal.h"
 
@@ -59,7 +57,6 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t pair = 0; pair < pairs; pair++) {
-        int previous = scipy_openblas_set_num_threads_local(1);
         int64_t b = pair / heads, h = pair % heads;
         float *s = scores[omp_get_thread_num()];
         const float *qb = q + b * q_bstride + h * head_dim;
@@ -85,7 +82,6 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             col += segs[g].rows;
             first = 0;
         }
-        scipy_openblas_set_num_threads_local(previous);
     }
     return MC_OK;
 }

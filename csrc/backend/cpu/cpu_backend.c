@@ -18,13 +18,56 @@ typedef struct cpu_state {
 
 static enum CBLAS_TRANSPOSE to_cblas(int trans) { return trans ? CblasTrans : CblasNoTrans; }
 
+/* One thread pool for everything: OpenBLAS runs single-threaded and GEMMs
+ * are split across the OpenMP team here. Two pools (OpenMP for the row ops,
+ * OpenBLAS's pthreads for GEMMs) spin-wait against each other and ran the
+ * MAR head ~5x slower on two cores. Splitting M keeps each output row's
+ * arithmetic independent of how many rows a call has (the same K blocking),
+ * which is what makes an image's result independent of its batch. */
+#define MC_GEMM_PARALLEL_MIN_FLOPS (4.0 * 1024 * 1024)
+#define MC_GEMM_ROW_ALIGN 16
+#define MC_GEMM_COL_ALIGN 64
+
+static void sgemm_serial(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                         const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                         float *c, int64_t ldc) {
+    scipy_cblas_sgemm(CblasRowMajor, to_cblas(trans_a), to_cblas(trans_b), (blasint)m, (blasint)n,
+                      (blasint)k, alpha, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
+}
+
 void mc_cpu_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
                   int64_t ldc) {
     if (m == 0 || n == 0)
         return;
-    scipy_cblas_sgemm(CblasRowMajor, to_cblas(trans_a), to_cblas(trans_b), (blasint)m, (blasint)n,
-                      (blasint)k, alpha, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
+    int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+    if (threads <= 1 || 2.0 * (double)m * (double)n * (double)k < MC_GEMM_PARALLEL_MIN_FLOPS) {
+        sgemm_serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    /* Split rows when every thread gets a useful block, otherwise columns
+     * (the head's GEMMs have few rows and wide outputs). */
+    const int split_rows = m >= (int64_t)threads * MC_GEMM_ROW_ALIGN * 2;
+    const int64_t extent = split_rows ? m : n;
+    const int64_t align = split_rows ? MC_GEMM_ROW_ALIGN : MC_GEMM_COL_ALIGN;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = (extent + nt - 1) / nt;
+        per = (per + align - 1) / align * align;
+        int64_t begin = (int64_t)t * per, end = begin + per < extent ? begin + per : extent;
+        if (begin < end) {
+            if (split_rows) {
+                const float *a_part = trans_a ? a + begin : a + begin * lda;
+                sgemm_serial(trans_a, trans_b, end - begin, n, k, alpha, a_part, lda, b, ldb, beta,
+                             c + begin * ldc, ldc);
+            } else {
+                const float *b_part = trans_b ? b + begin * ldb : b + begin;
+                sgemm_serial(trans_a, trans_b, m, end - begin, k, alpha, a, lda, b_part, ldb, beta,
+                             c + begin, ldc);
+            }
+        }
+    }
 }
 
 const char *mc_cpu_blas_config(void) { return scipy_openblas_get_config(); }
@@ -118,6 +161,10 @@ mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) 
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CPU backend");
     }
     st->num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    /* GEMMs are threaded by mc_cpu_sgemm; OpenBLAS's own pool stays idle.
+     * The setting is process-wide, and only this library's copy of
+     * OpenBLAS (the scipy-openblas32 wheel) is affected. */
+    scipy_openblas_set_num_threads(1);
     be->ops = &cpu_ops;
     be->device_index = -1;
     be->impl = st;

@@ -13,10 +13,7 @@
  * reference the fast path is tested against. */
 #include <math.h>
 #include <omp.h>
-#include <stdlib.h>
 #include <string.h>
-
-#include <cblas.h>
 
 #include "cpu_internal.h"
 
@@ -276,43 +273,12 @@ static void im2col_rows(const float *x, int64_t height, int64_t width, int64_t c
     }
 }
 
-/* How conv2d uses the cores. MC_CONV_PER_THREAD: every OpenMP thread takes
- * whole chunks (im2col + single-threaded GEMM into its own scratch slot).
- * MC_CONV_SHARED: one chunk at a time, im2col split by OpenMP and the GEMM
- * threaded by OpenBLAS. MARCACHE_CONV_MODE=shared|per_thread picks one (tests
- * and benchmarks; read per call, getenv is cheap next to a conv). Per-thread
- * is the default: on the 2-core dev machine a full 256x256 VAE decode took
- * 1.3 s per-thread against 25-29 s shared, where OpenBLAS's pthreads and the
- * OpenMP team spin-wait against each other between every im2col and GEMM. */
-enum { MC_CONV_PER_THREAD = 0, MC_CONV_SHARED = 1 };
-
-static int conv_mode(void) {
-    const char *env = getenv("MARCACHE_CONV_MODE");
-    if (env != NULL && strcmp(env, "shared") == 0)
-        return MC_CONV_SHARED;
-    if (env != NULL && strcmp(env, "per_thread") == 0)
-        return MC_CONV_PER_THREAD;
-    return MC_CONV_PER_THREAD;
-}
-
-/* Per-thread mode runs one GEMM per OpenMP thread, so OpenBLAS must stay
- * single-threaded inside: with its own pthreads on top, each GEMM's helper
- * threads and the OpenMP team (both spin-waiting) fight over the cores, which
- * measured 100x slower on 2 cores for small convs. scipy-openblas32 does not
- * export the thread-local setter, so the global count is lowered for the
- * region and restored after; a concurrent caller meanwhile only gets
- * single-threaded GEMMs (slower, never wrong). */
-static int blas_single_thread_begin(void) {
-    int previous = scipy_openblas_get_num_threads();
-    if (previous != 1)
-        scipy_openblas_set_num_threads(1);
-    return previous;
-}
-
-static void blas_threads_restore(int previous) {
-    if (previous != 1)
-        scipy_openblas_set_num_threads(previous);
-}
+/* Threading: every OpenMP thread takes whole chunks (im2col + one serial
+ * GEMM into its own scratch slot); OpenBLAS stays single-threaded (the
+ * backend's one-pool rule, cpu_backend.c). Measured on the 2-core dev box,
+ * one 256x256 VAE decode: 1.3 s this way, 25-29 s with one chunk at a time
+ * and OpenBLAS threading the GEMM, where its pthreads and the OpenMP team
+ * spin-wait against each other between every im2col and GEMM. */
 
 /* One chunk of output rows: y rows [row0, row0 + nrows) (a row is `width`
  * pixels) = beta * y + bias + patches x W^T. For k = 1 the input pixels are
@@ -362,58 +328,29 @@ mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t h
     if (threads > 62)
         threads = 62; /* scratch slots 0..61; MC_GN_SCRATCH_SLOT stays free */
 
-    if (conv_mode() == MC_CONV_PER_THREAD) {
-        /* Chunks in a multiple of the thread count and of equal size, so the
-         * static schedule is balanced. */
-        int64_t nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-        nchunks = (nchunks + threads - 1) / threads * threads;
-        if (nchunks > total_rows)
-            nchunks = total_rows;
-        rows_per_chunk = (total_rows + nchunks - 1) / nchunks;
-        nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-        if (threads > nchunks)
-            threads = (int)nchunks;
-        float *cols[62] = {0};
-        for (int t = 0; t < threads && ksize > 1; t++) {
-            cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
-            if (cols[t] == NULL)
-                return err->status;
-        }
-        int blas_threads = blas_single_thread_begin();
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t chunk = 0; chunk < nchunks; chunk++) {
-            int64_t row0 = chunk * rows_per_chunk;
-            int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
-            conv_chunk(x, height, width, cin, w, bias, cout, ksize, beta, y, row0, nrows,
-                       cols[omp_get_thread_num()]);
-        }
-        blas_threads_restore(blas_threads);
-        return MC_OK;
-    }
-
-    /* Shared mode: chunks in order; im2col split by OpenMP, GEMM threaded by
-     * OpenBLAS. */
-    if (rows_per_chunk > total_rows)
-        rows_per_chunk = total_rows;
-    float *col = NULL;
-    if (ksize > 1) {
-        col = mc_cpu_scratch(be, 0, (size_t)(rows_per_chunk * row_floats), err);
-        if (col == NULL)
+    /* One GEMM per OpenMP thread (mc_cpu_sgemm runs serially inside a
+     * parallel region). Chunks in a multiple of the thread count and of
+     * equal size, so the static schedule is balanced. */
+    int64_t nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
+    nchunks = (nchunks + threads - 1) / threads * threads;
+    if (nchunks > total_rows)
+        nchunks = total_rows;
+    rows_per_chunk = (total_rows + nchunks - 1) / nchunks;
+    nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
+    if (threads > nchunks)
+        threads = (int)nchunks;
+    float *cols[62] = {0};
+    for (int t = 0; t < threads && ksize > 1; t++) {
+        cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
+        if (cols[t] == NULL)
             return err->status;
     }
-    for (int64_t row0 = 0; row0 < total_rows; row0 += rows_per_chunk) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t chunk = 0; chunk < nchunks; chunk++) {
+        int64_t row0 = chunk * rows_per_chunk;
         int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
-        int64_t pixels = nrows * width;
-        const float *a = x + row0 * width * cin;
-        if (ksize > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && nrows > 1)
-            for (int64_t r = 0; r < nrows; r++)
-                im2col_rows(x, height, width, cin, ksize, row0 + r, 1, col + r * row_floats);
-            a = col;
-        }
-        float *yc = y + row0 * width * cout;
-        float gemm_beta = prefill_bias(yc, pixels, cout, bias, beta);
-        mc_cpu_sgemm(0, 1, pixels, cout, patch, 1.0f, a, patch, w, patch, gemm_beta, yc, cout);
+        conv_chunk(x, height, width, cin, w, bias, cout, ksize, beta, y, row0, nrows,
+                   cols[omp_get_thread_num()]);
     }
     return MC_OK;
 }

@@ -69,7 +69,8 @@ mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t 
                            const float *w, const float *b, float eps, const float *shift,
                            const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err) {
     (void)be;
-    (void)err;
+    if ((shift == NULL) != (scale == NULL))
+        return mc_fail(err, MC_ERR_INTERNAL, "layernorm: shift and scale go together");
 #pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
@@ -85,10 +86,9 @@ mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t 
             double d = xr[i] - mean;
             sq += d * d;
         }
-        float inv = (float)(1.0 / sqrt(sq / (double)dim + (double)eps));
-        float meanf = (float)mean;
+        double inv = 1.0 / sqrt(sq / (double)dim + (double)eps);
         for (int64_t i = 0; i < dim; i++)
-            yr[i] = (xr[i] - meanf) * inv;
+            yr[i] = (float)(((double)xr[i] - mean) * inv);
         if (w != NULL)
             for (int64_t i = 0; i < dim; i++)
                 yr[i] = yr[i] * w[i] + (b != NULL ? b[i] : 0.0f);

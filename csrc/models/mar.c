@@ -1,0 +1,620 @@
+/* MAR forward passes (spec mar.md sections 3 and 5) on the backend op table. */
+#include "mar.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAR_LN_EPS 1e-6f
+#define MAR_TIME_FREQ_DIM 256
+/* Rows of the MLP hidden activation held at once: bounds memory at large
+ * batch while keeping GEMMs large enough to run at full rate. */
+#define MAR_MLP_CHUNK_ROWS 4096
+
+enum {
+    WS_ENC_X, WS_QKV, WS_ATTN, WS_NORMED, WS_MLP_HIDDEN, WS_DEC_X, WS_GATHER, WS_TOKENS,
+    WS_HEAD_Y, WS_HEAD_ADA, WS_HEAD_H, WS_HEAD_U, WS_HEAD_U2
+};
+enum { WSI_A, WSI_B, WSI_C };
+
+float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err) {
+    mc_mar_workspace *ws = &mar->ws;
+    if (ws->slot_floats[slot] < floats) {
+        mc_backend *be = mar->backend;
+        size_t bytes;
+        if (mc_mul_overflows(floats, sizeof(float), &bytes)) {
+            mc_fail(err, MC_ERR_NOMEM, "workspace request of %zu floats overflows", floats);
+            return NULL;
+        }
+        float *fresh = be->ops->alloc(be, bytes, err);
+        if (fresh == NULL)
+            return NULL;
+        if (ws->slots[slot] != NULL)
+            be->ops->release(be, ws->slots[slot]);
+        ws->slots[slot] = fresh;
+        ws->slot_floats[slot] = floats;
+    }
+    return ws->slots[slot];
+}
+
+int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err) {
+    mc_mar_workspace *ws = &mar->ws;
+    if (ws->index_slot_count[slot] < count) {
+        mc_backend *be = mar->backend;
+        int32_t *fresh = be->ops->alloc(be, count * sizeof(int32_t), err);
+        if (fresh == NULL)
+            return NULL;
+        if (ws->index_slots[slot] != NULL)
+            be->ops->release(be, ws->index_slots[slot]);
+        ws->index_slots[slot] = fresh;
+        ws->index_slot_count[slot] = count;
+    }
+    return ws->index_slots[slot];
+}
+
+static void free_workspace(mc_mar *mar) {
+    mc_backend *be = mar->backend;
+    for (int i = 0; i < 24; i++)
+        if (mar->ws.slots[i] != NULL)
+            be->ops->release(be, mar->ws.slots[i]);
+    for (int i = 0; i < 8; i++)
+        if (mar->ws.index_slots[i] != NULL)
+            be->ops->release(be, mar->ws.index_slots[i]);
+    memset(&mar->ws, 0, sizeof mar->ws);
+}
+
+/* Uploads a host index array into index slot `slot`. */
+static int32_t *upload_index(mc_mar *mar, int slot, const int32_t *host, int64_t count, mc_err *err) {
+    int32_t *dev = mc_mar_ws_index(mar, slot, (size_t)(count > 0 ? count : 1), err);
+    if (dev == NULL)
+        return NULL;
+    if (count > 0 &&
+        mar->backend->ops->upload(mar->backend, dev, host, (size_t)count * sizeof(int32_t), err) != MC_OK)
+        return NULL;
+    return dev;
+}
+
+/* ---------------------------------------------------------------- loading */
+
+static int count_indexed(const mc_loader *ld, const char *fmt) {
+    char name[256];
+    int n = 0;
+    for (;;) {
+        snprintf(name, sizeof name, fmt, n);
+        if (!mc_loader_has(ld, name))
+            return n;
+        n++;
+    }
+}
+
+static int64_t heads_for_width(int64_t width) {
+    switch (width) {
+    case 768: return 12;
+    case 1024: return 16;
+    case 1280: return 16;
+    default: return 0;
+    }
+}
+
+static mc_status read_int_metadata(const mc_st_file *file, const char *key, int64_t *value,
+                                   mc_err *err) {
+    const char *text = mc_st_metadata(file, key);
+    if (text == NULL)
+        return MC_OK;
+    char *end = NULL;
+    long long parsed = strtoll(text, &end, 10);
+    if (end == text || *end != '\0' || parsed <= 0)
+        return mc_fail(err, MC_ERR_VALUE, "%s: metadata '%s' = '%s' is not a positive integer",
+                       file->path, key, text);
+    *value = parsed;
+    return MC_OK;
+}
+
+static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *cfg) {
+    const mc_st_file *file = ld->file;
+    mc_err *err = ld->err;
+    int ndim;
+    int64_t shape[8];
+    if (!mc_loader_has(ld, "class_emb.weight") || !mc_loader_has(ld, "diffloss.net.input_proj.weight")) {
+        if (mc_loader_has(ld, "decoder.conv_in.weight"))
+            return mc_fail(err, MC_ERR_VALUE,
+                           "%s is a KL-16 VAE file, not a MAR model: pass it as vae=...", file->path);
+        if (mc_loader_has(ld, "word_embed.weight"))
+            return mc_fail(err, MC_ERR_VALUE, "%s is a VAR checkpoint, not a MAR model", file->path);
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s is not a MAR checkpoint: keys 'class_emb.weight' and "
+                       "'diffloss.net.input_proj.weight' are missing", file->path);
+    }
+    MC_TRY(mc_loader_shape(ld, "class_emb.weight", &ndim, shape));
+    if (ndim != 2)
+        return mc_fail(err, MC_ERR_VALUE, "%s: key 'class_emb.weight' must be 2-D", file->path);
+    cfg->num_classes = shape[0];
+    cfg->width = shape[1];
+    MC_TRY(mc_loader_shape(ld, "decoder_embed.weight", &ndim, shape));
+    if (ndim != 2)
+        return mc_fail(err, MC_ERR_VALUE, "%s: key 'decoder_embed.weight' must be 2-D", file->path);
+    cfg->dec_width = shape[0];
+    MC_TRY(mc_loader_shape(ld, "diffusion_pos_embed_learned", &ndim, shape));
+    if (ndim != 3)
+        return mc_fail(err, MC_ERR_VALUE, "%s: key 'diffusion_pos_embed_learned' must be 3-D",
+                       file->path);
+    cfg->seq_len = shape[1];
+    MC_TRY(mc_loader_shape(ld, "encoder_pos_embed_learned", &ndim, shape));
+    if (ndim != 3 || shape[1] <= cfg->seq_len)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: key 'encoder_pos_embed_learned' must be [1, buffer + %lld, width]",
+                       file->path, (long long)cfg->seq_len);
+    cfg->buffer_size = shape[1] - cfg->seq_len;
+    MC_TRY(mc_loader_shape(ld, "z_proj.weight", &ndim, shape));
+    if (ndim != 2)
+        return mc_fail(err, MC_ERR_VALUE, "%s: key 'z_proj.weight' must be 2-D", file->path);
+    cfg->token_channels = shape[1];
+    MC_TRY(mc_loader_shape(ld, "diffloss.net.input_proj.weight", &ndim, shape));
+    if (ndim != 2)
+        return mc_fail(err, MC_ERR_VALUE, "%s: key 'diffloss.net.input_proj.weight' must be 2-D",
+                       file->path);
+    cfg->head_width = shape[0];
+    cfg->enc_depth = count_indexed(ld, "encoder_blocks.%d.norm1.weight");
+    cfg->dec_depth = count_indexed(ld, "decoder_blocks.%d.norm1.weight");
+    cfg->head_depth = count_indexed(ld, "diffloss.net.res_blocks.%d.in_ln.weight");
+    if (cfg->enc_depth == 0 || cfg->dec_depth == 0 || cfg->head_depth == 0)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: found %lld encoder blocks, %lld decoder blocks, %lld head res blocks; "
+                       "each needs at least one", file->path, (long long)cfg->enc_depth,
+                       (long long)cfg->dec_depth, (long long)cfg->head_depth);
+    MC_TRY(mc_loader_shape(ld, "encoder_blocks.0.mlp.fc1.weight", &ndim, shape));
+    cfg->mlp_hidden = shape[0];
+    MC_TRY(mc_loader_shape(ld, "decoder_blocks.0.mlp.fc1.weight", &ndim, shape));
+    cfg->dec_mlp_hidden = shape[0];
+
+    cfg->enc_heads = heads_for_width(cfg->width);
+    cfg->dec_heads = heads_for_width(cfg->dec_width);
+    MC_TRY(read_int_metadata(file, "heads", &cfg->enc_heads, err));
+    cfg->dec_heads = mc_st_metadata(file, "heads") ? cfg->enc_heads : cfg->dec_heads;
+    MC_TRY(read_int_metadata(file, "decoder_heads", &cfg->dec_heads, err));
+    if (heads_override > 0)
+        cfg->enc_heads = cfg->dec_heads = heads_override;
+    if (cfg->enc_heads <= 0 || cfg->dec_heads <= 0)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: width %lld is not one of the released MAR configs (768, 1024, 1280), so "
+                       "the number of attention heads is unknown: add metadata 'heads' or pass heads=",
+                       file->path, (long long)cfg->width);
+    if (cfg->width % cfg->enc_heads != 0 || cfg->dec_width % cfg->dec_heads != 0)
+        return mc_fail(err, MC_ERR_VALUE, "%s: width %lld / %lld not divisible by heads %lld / %lld",
+                       file->path, (long long)cfg->width, (long long)cfg->dec_width,
+                       (long long)cfg->enc_heads, (long long)cfg->dec_heads);
+    return MC_OK;
+}
+
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+#define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
+#define BIND(dst, name, ...) MC_TRY(mc_bind(ld, name, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), MC_BIND_AS_IS, &(dst)))
+#define BINDF(dst, dims, fmt, ...) MC_TRY(mc_bindf(ld, &(dst), NDIM dims, SHAPE dims, fmt, __VA_ARGS__))
+
+static mc_status bind_blocks(mc_loader *ld, const char *prefix, int64_t depth, int64_t width,
+                             int64_t hidden, mc_mar_block *blocks) {
+    for (int i = 0; i < (int)depth; i++) {
+        mc_mar_block *b = &blocks[i];
+        BINDF(b->norm1_w, (width), "%s.%d.norm1.weight", prefix, i);
+        BINDF(b->norm1_b, (width), "%s.%d.norm1.bias", prefix, i);
+        BINDF(b->qkv_w, (3 * width, width), "%s.%d.attn.qkv.weight", prefix, i);
+        BINDF(b->qkv_b, (3 * width), "%s.%d.attn.qkv.bias", prefix, i);
+        BINDF(b->proj_w, (width, width), "%s.%d.attn.proj.weight", prefix, i);
+        BINDF(b->proj_b, (width), "%s.%d.attn.proj.bias", prefix, i);
+        BINDF(b->norm2_w, (width), "%s.%d.norm2.weight", prefix, i);
+        BINDF(b->norm2_b, (width), "%s.%d.norm2.bias", prefix, i);
+        BINDF(b->fc1_w, (hidden, width), "%s.%d.mlp.fc1.weight", prefix, i);
+        BINDF(b->fc1_b, (hidden), "%s.%d.mlp.fc1.bias", prefix, i);
+        BINDF(b->fc2_w, (width, hidden), "%s.%d.mlp.fc2.weight", prefix, i);
+        BINDF(b->fc2_b, (width), "%s.%d.mlp.fc2.bias", prefix, i);
+    }
+    return MC_OK;
+}
+
+static mc_status bind_all(mc_loader *ld, mc_mar *m) {
+    const mc_mar_config *c = &m->config;
+    const int64_t D = c->width, Dd = c->dec_width, S = c->seq_len, L = c->seq_len + c->buffer_size;
+    const int64_t W = c->head_width, C = c->token_channels;
+    BIND(m->fake_latent, "fake_latent", 1, D);
+    BIND(m->enc_pos, "encoder_pos_embed_learned", 1, L, D);
+    BIND(m->mask_token, "mask_token", 1, 1, Dd);
+    BIND(m->dec_pos, "decoder_pos_embed_learned", 1, L, Dd);
+    BIND(m->diff_pos, "diffusion_pos_embed_learned", 1, S, Dd);
+    BIND(m->class_emb, "class_emb.weight", c->num_classes, D);
+    BIND(m->z_proj_w, "z_proj.weight", D, C);
+    BIND(m->z_proj_b, "z_proj.bias", D);
+    BIND(m->z_proj_ln_w, "z_proj_ln.weight", D);
+    BIND(m->z_proj_ln_b, "z_proj_ln.bias", D);
+    MC_TRY(bind_blocks(ld, "encoder_blocks", c->enc_depth, D, c->mlp_hidden, m->enc_blocks));
+    BIND(m->enc_norm_w, "encoder_norm.weight", D);
+    BIND(m->enc_norm_b, "encoder_norm.bias", D);
+    BIND(m->dec_embed_w, "decoder_embed.weight", Dd, D);
+    BIND(m->dec_embed_b, "decoder_embed.bias", Dd);
+    MC_TRY(bind_blocks(ld, "decoder_blocks", c->dec_depth, Dd, c->dec_mlp_hidden, m->dec_blocks));
+    BIND(m->dec_norm_w, "decoder_norm.weight", Dd);
+    BIND(m->dec_norm_b, "decoder_norm.bias", Dd);
+    BIND(m->time_mlp0_w, "diffloss.net.time_embed.mlp.0.weight", W, MAR_TIME_FREQ_DIM);
+    BIND(m->time_mlp0_b, "diffloss.net.time_embed.mlp.0.bias", W);
+    BIND(m->time_mlp2_w, "diffloss.net.time_embed.mlp.2.weight", W, W);
+    BIND(m->time_mlp2_b, "diffloss.net.time_embed.mlp.2.bias", W);
+    BIND(m->cond_w, "diffloss.net.cond_embed.weight", W, Dd);
+    BIND(m->cond_b, "diffloss.net.cond_embed.bias", W);
+    BIND(m->input_proj_w, "diffloss.net.input_proj.weight", W, C);
+    BIND(m->input_proj_b, "diffloss.net.input_proj.bias", W);
+    for (int j = 0; j < (int)c->head_depth; j++) {
+        mc_mar_res_block *r = &m->res_blocks[j];
+        BINDF(r->in_ln_w, (W), "diffloss.net.res_blocks.%d.in_ln.weight", j);
+        BINDF(r->in_ln_b, (W), "diffloss.net.res_blocks.%d.in_ln.bias", j);
+        BINDF(r->mlp0_w, (W, W), "diffloss.net.res_blocks.%d.mlp.0.weight", j);
+        BINDF(r->mlp0_b, (W), "diffloss.net.res_blocks.%d.mlp.0.bias", j);
+        BINDF(r->mlp2_w, (W, W), "diffloss.net.res_blocks.%d.mlp.2.weight", j);
+        BINDF(r->mlp2_b, (W), "diffloss.net.res_blocks.%d.mlp.2.bias", j);
+        BINDF(r->ada_w, (3 * W, W), "diffloss.net.res_blocks.%d.adaLN_modulation.1.weight", j);
+        BINDF(r->ada_b, (3 * W), "diffloss.net.res_blocks.%d.adaLN_modulation.1.bias", j);
+    }
+    BIND(m->final_ada_w, "diffloss.net.final_layer.adaLN_modulation.1.weight", 2 * W, W);
+    BIND(m->final_ada_b, "diffloss.net.final_layer.adaLN_modulation.1.bias", 2 * W);
+    BIND(m->final_linear_w, "diffloss.net.final_layer.linear.weight", 2 * C, W);
+    BIND(m->final_linear_b, "diffloss.net.final_layer.linear.bias", 2 * C);
+    return MC_OK;
+}
+
+/* A buffer owned by the model's allocation list. */
+static float *model_buffer(mc_mar *m, size_t floats, mc_err *err) {
+    mc_backend *be = m->backend;
+    float *p = be->ops->alloc(be, floats * sizeof(float), err);
+    if (p == NULL)
+        return NULL;
+    if (mc_alloc_list_push(&m->weights, p, floats * sizeof(float), err) != MC_OK) {
+        be->ops->release(be, p);
+        return NULL;
+    }
+    return p;
+}
+
+/* GLIDE/DiT sinusoidal embedding (cos first, then sin). The reference
+ * evaluates it on float32 tensors; every float32 rounding of that chain is
+ * kept here, while exp/cos/sin are taken in double and rounded once (so the
+ * result does not depend on the libm's float versions). */
+static void timestep_frequencies(int32_t t, float *out) {
+    const int half = MAR_TIME_FREQ_DIM / 2;
+    const float neg_log_period = (float)(-log(10000.0));
+    for (int k = 0; k < half; k++) {
+        float exponent = (neg_log_period * (float)k) / (float)half;
+        float freq = (float)exp((double)exponent);
+        float arg = (float)t * freq;
+        out[k] = (float)cos((double)arg);
+        out[half + k] = (float)sin((double)arg);
+    }
+}
+
+static mc_status hoist_constants(mc_mar *m, const int32_t *timesteps, int64_t n_timesteps,
+                                 mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t Dd = m->config.dec_width, L = m->config.seq_len + m->config.buffer_size;
+    const int64_t W = m->config.head_width;
+
+    m->dec_masked_rows = model_buffer(m, (size_t)(L * Dd), err);
+    if (m->dec_masked_rows == NULL)
+        return err->status;
+    MC_TRY(ops->copy(be, m->dec_masked_rows, m->dec_pos, (size_t)(L * Dd) * sizeof(float), err));
+    MC_TRY(ops->add_rows(be, m->dec_masked_rows, Dd, L, Dd, m->mask_token, Dd, 1, err));
+
+    m->n_timesteps = n_timesteps;
+    m->time_embeddings = model_buffer(m, (size_t)(n_timesteps * W), err);
+    if (m->time_embeddings == NULL)
+        return err->status;
+    float *host_freq = malloc((size_t)n_timesteps * MAR_TIME_FREQ_DIM * sizeof(float));
+    if (host_freq == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate timestep frequencies");
+    for (int64_t i = 0; i < n_timesteps; i++)
+        timestep_frequencies(timesteps[i], host_freq + i * MAR_TIME_FREQ_DIM);
+    mc_status st = MC_OK;
+    float *dev_freq = ops->alloc(be, (size_t)n_timesteps * MAR_TIME_FREQ_DIM * sizeof(float), err);
+    float *hidden = ops->alloc(be, (size_t)(n_timesteps * W) * sizeof(float), err);
+    if (dev_freq == NULL || hidden == NULL)
+        st = err->status;
+    if (st == MC_OK)
+        st = ops->upload(be, dev_freq, host_freq,
+                         (size_t)n_timesteps * MAR_TIME_FREQ_DIM * sizeof(float), err);
+    if (st == MC_OK)
+        st = ops->linear(be, dev_freq, MAR_TIME_FREQ_DIM, n_timesteps, MAR_TIME_FREQ_DIM,
+                         m->time_mlp0_w, m->time_mlp0_b, W, MC_ACT_SILU, 0.0f, hidden, W, err);
+    if (st == MC_OK)
+        st = ops->linear(be, hidden, W, n_timesteps, W, m->time_mlp2_w, m->time_mlp2_b, W,
+                         MC_ACT_NONE, 0.0f, m->time_embeddings, W, err);
+    free(host_freq);
+    if (dev_freq)
+        ops->release(be, dev_freq);
+    if (hidden)
+        ops->release(be, hidden);
+    return st;
+}
+
+mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override,
+                      const int32_t *timesteps, int64_t n_timesteps, mc_mar **out, mc_err *err) {
+    mc_mar *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the MAR model");
+    m->backend = be;
+    mc_loader ld;
+    mc_loader_init(&ld, file, be, err);
+    mc_status st = read_config(&ld, heads_override, &m->config);
+    if (st == MC_OK) {
+        m->enc_blocks = calloc((size_t)m->config.enc_depth, sizeof *m->enc_blocks);
+        m->dec_blocks = calloc((size_t)m->config.dec_depth, sizeof *m->dec_blocks);
+        m->res_blocks = calloc((size_t)m->config.head_depth, sizeof *m->res_blocks);
+        if (!m->enc_blocks || !m->dec_blocks || !m->res_blocks)
+            st = mc_fail(err, MC_ERR_NOMEM, "cannot allocate block tables");
+    }
+    if (st == MC_OK)
+        st = bind_all(&ld, m);
+    if (st == MC_OK)
+        m->weights = mc_loader_take_allocations(&ld);
+    mc_loader_finish(&ld);
+    if (st == MC_OK)
+        st = hoist_constants(m, timesteps, n_timesteps, err);
+    if (st != MC_OK) {
+        mc_mar_free(m);
+        return st;
+    }
+    *out = m;
+    return MC_OK;
+}
+
+void mc_mar_free(mc_mar *mar) {
+    if (mar == NULL)
+        return;
+    free_workspace(mar);
+    mc_alloc_list_free(&mar->weights, mar->backend);
+    free(mar->enc_blocks);
+    free(mar->dec_blocks);
+    free(mar->res_blocks);
+    free(mar);
+}
+
+int64_t mc_mar_num_params(const mc_mar *mar) {
+    const mc_mar_config *c = &mar->config;
+    const int64_t D = c->width, Dd = c->dec_width, S = c->seq_len, L = S + c->buffer_size;
+    const int64_t W = c->head_width, C = c->token_channels;
+    int64_t n = D + 2 * L * D + Dd + S * Dd + c->num_classes * D + D * C + D + 2 * D;
+    n += c->enc_depth * (4 * D + 3 * D * D + 3 * D + D * D + D + 2 * c->mlp_hidden * D + c->mlp_hidden + D);
+    n += 2 * D + Dd * D + Dd;
+    n += c->dec_depth * (4 * Dd + 3 * Dd * Dd + 3 * Dd + Dd * Dd + Dd + 2 * c->dec_mlp_hidden * Dd +
+                         c->dec_mlp_hidden + Dd);
+    n += 2 * Dd;
+    n += W * MAR_TIME_FREQ_DIM + W + W * W + W + W * Dd + W + W * C + W;
+    n += c->head_depth * (2 * W + 2 * (W * W + W) + 3 * W * W + 3 * W);
+    n += 2 * W * W + 2 * W + 2 * C * W + 2 * C;
+    return n;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* One timm Block (mar.md 3.1) on n_seq sequences of seq_rows rows, in place. */
+static mc_status block_forward(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq,
+                               int64_t seq_rows, int64_t dim, int64_t heads, int64_t hidden,
+                               mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t rows = n_seq * seq_rows;
+    const int64_t head_dim = dim / heads;
+    float *normed = mc_mar_ws(m, WS_NORMED, (size_t)(rows * dim), err);
+    float *qkv = mc_mar_ws(m, WS_QKV, (size_t)(rows * 3 * dim), err);
+    float *attn = mc_mar_ws(m, WS_ATTN, (size_t)(rows * dim), err);
+    int64_t chunk = rows < MAR_MLP_CHUNK_ROWS ? rows : MAR_MLP_CHUNK_ROWS;
+    float *mlp_hidden = mc_mar_ws(m, WS_MLP_HIDDEN, (size_t)(chunk * hidden), err);
+    if (!normed || !qkv || !attn || !mlp_hidden)
+        return err->status;
+
+    MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL,
+                          0, normed, dim, err));
+    MC_TRY(ops->linear(be, normed, dim, rows, dim, blk->qkv_w, blk->qkv_b, 3 * dim, MC_ACT_NONE,
+                       0.0f, qkv, 3 * dim, err));
+    const mc_kv_segment kv = {.k = qkv + dim, .v = qkv + 2 * dim, .rows = seq_rows,
+                              .ld = 3 * dim, .batch_stride = seq_rows * 3 * dim};
+    MC_TRY(ops->attention(be, n_seq, seq_rows, (int)heads, (int)head_dim,
+                          (float)(1.0 / sqrt((double)head_dim)), qkv, 3 * dim, seq_rows * 3 * dim,
+                          &kv, 1, attn, dim, seq_rows * dim, err));
+    MC_TRY(ops->linear(be, attn, dim, rows, dim, blk->proj_w, blk->proj_b, dim, MC_ACT_NONE, 1.0f,
+                       x, dim, err));
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
+        float *xr = x + r0 * dim;
+        MC_TRY(ops->layernorm(be, xr, dim, n, dim, blk->norm2_w, blk->norm2_b, MAR_LN_EPS, NULL,
+                              NULL, 0, normed, dim, err));
+        MC_TRY(ops->linear(be, normed, dim, n, dim, blk->fc1_w, blk->fc1_b, hidden, MC_ACT_GELU,
+                           0.0f, mlp_hidden, hidden, err));
+        MC_TRY(ops->linear(be, mlp_hidden, hidden, n, hidden, blk->fc2_w, blk->fc2_b, dim,
+                           MC_ACT_NONE, 1.0f, xr, dim, err));
+    }
+    return MC_OK;
+}
+
+mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t n, float *out,
+                               mc_err *err) {
+    mc_backend *be = mar->backend;
+    const int64_t D = mar->config.width;
+    for (int64_t i = 0; i < n; i++) {
+        const float *src = labels_host[i] < 0 ? mar->fake_latent : mar->class_emb + (int64_t)labels_host[i] * D;
+        MC_TRY(be->ops->copy(be, out + i * D, src, (size_t)D * sizeof(float), err));
+    }
+    return MC_OK;
+}
+
+/* MAE encoder (mar.md 3.2): returns X [B' * (P + K), D] in WS_ENC_X. */
+static mc_status encoder_forward(mc_mar *m, const mc_mar_batch *batch, float **x_out, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const mc_mar_config *c = &m->config;
+    const int64_t B = batch->n_seq, K = batch->n_known, P = c->buffer_size, S = c->seq_len;
+    const int64_t D = c->width, C = c->token_channels, rows_per = P + K;
+
+    float *x = mc_mar_ws(m, WS_ENC_X, (size_t)(B * rows_per * D), err);
+    if (x == NULL)
+        return err->status;
+    for (int64_t b = 0; b < B; b++) {
+        MC_TRY(ops->copy(be, x + b * rows_per * D, m->enc_pos, (size_t)(P * D) * sizeof(float), err));
+        MC_TRY(ops->add_rows(be, x + b * rows_per * D, D, P, D, batch->class_vectors + b * D, D, 1, err));
+    }
+    if (K > 0) {
+        const int64_t n = B * K;
+        int32_t *host = malloc((size_t)n * 3 * sizeof(int32_t));
+        if (host == NULL)
+            return mc_fail(err, MC_ERR_NOMEM, "cannot allocate encoder indices");
+        int32_t *token_rows = host, *pos_rows = host + n, *dst_rows = host + 2 * n;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < K; i++) {
+                int32_t pos = batch->known_pos[b * K + i];
+                token_rows[b * K + i] = (int32_t)(b * S + pos);
+                pos_rows[b * K + i] = (int32_t)(P + pos);
+                dst_rows[b * K + i] = (int32_t)(b * rows_per + P + i);
+            }
+        int32_t *d_tok = upload_index(m, WSI_A, token_rows, n, err);
+        int32_t *d_pos = d_tok ? upload_index(m, WSI_B, pos_rows, n, err) : NULL;
+        int32_t *d_dst = d_pos ? upload_index(m, WSI_C, dst_rows, n, err) : NULL;
+        free(host);
+        float *tok = mc_mar_ws(m, WS_TOKENS, (size_t)(n * C), err);
+        float *proj = mc_mar_ws(m, WS_GATHER, (size_t)(n * D), err);
+        if (!d_dst || !tok || !proj)
+            return err->status;
+        MC_TRY(ops->gather_rows(be, batch->tokens, C, d_tok, n, C, tok, C, err));
+        MC_TRY(ops->gather_rows(be, m->enc_pos, D, d_pos, n, D, proj, D, err));
+        MC_TRY(ops->linear(be, tok, C, n, C, m->z_proj_w, m->z_proj_b, D, MC_ACT_NONE, 1.0f, proj, D, err));
+        MC_TRY(ops->scatter_rows(be, proj, D, d_dst, n, D, x, D, err));
+    }
+    MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->z_proj_ln_w, m->z_proj_ln_b, MAR_LN_EPS,
+                          NULL, NULL, 0, x, D, err));
+    for (int64_t i = 0; i < c->enc_depth; i++)
+        MC_TRY(block_forward(m, &m->enc_blocks[i], x, B, rows_per, D, c->enc_heads, c->mlp_hidden, err));
+    MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->enc_norm_w, m->enc_norm_b, MAR_LN_EPS, NULL,
+                          NULL, 0, x, D, err));
+    *x_out = x;
+    return MC_OK;
+}
+
+mc_status mc_mar_transformer(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
+                             int64_t n_out, float *z_out, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const mc_mar_config *c = &m->config;
+    const int64_t B = batch->n_seq, K = batch->n_known, P = c->buffer_size, S = c->seq_len;
+    const int64_t D = c->width, Dd = c->dec_width, L = P + S, rows_per = P + K;
+
+    float *enc = NULL;
+    MC_TRY(encoder_forward(m, batch, &enc, err));
+
+    /* Decoder input (mar.md 3.3): every row starts as mask_token + pos
+     * (hoisted); the encoded rows replace theirs after decoder_embed. */
+    float *f = mc_mar_ws(m, WS_DEC_X, (size_t)(B * L * Dd), err);
+    float *embedded = mc_mar_ws(m, WS_GATHER, (size_t)(B * rows_per * Dd), err);
+    if (f == NULL || embedded == NULL)
+        return err->status;
+    for (int64_t b = 0; b < B; b++)
+        MC_TRY(ops->copy(be, f + b * L * Dd, m->dec_masked_rows, (size_t)(L * Dd) * sizeof(float), err));
+    {
+        const int64_t n = B * rows_per;
+        int32_t *host = malloc((size_t)n * 2 * sizeof(int32_t));
+        if (host == NULL)
+            return mc_fail(err, MC_ERR_NOMEM, "cannot allocate decoder indices");
+        int32_t *pos_rows = host, *dst_rows = host + n;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < rows_per; r++) {
+                int32_t pos = r < P ? (int32_t)r : (int32_t)(P + batch->known_pos[b * K + (r - P)]);
+                pos_rows[b * rows_per + r] = pos;
+                dst_rows[b * rows_per + r] = (int32_t)(b * L + pos);
+            }
+        int32_t *d_pos = upload_index(m, WSI_A, pos_rows, n, err);
+        int32_t *d_dst = d_pos ? upload_index(m, WSI_B, dst_rows, n, err) : NULL;
+        free(host);
+        if (d_dst == NULL)
+            return err->status;
+        MC_TRY(ops->gather_rows(be, m->dec_pos, Dd, d_pos, n, Dd, embedded, Dd, err));
+        MC_TRY(ops->linear(be, enc, D, n, D, m->dec_embed_w, m->dec_embed_b, Dd, MC_ACT_NONE, 1.0f,
+                           embedded, Dd, err));
+        MC_TRY(ops->scatter_rows(be, embedded, Dd, d_dst, n, Dd, f, Dd, err));
+    }
+    for (int64_t i = 0; i < c->dec_depth; i++)
+        MC_TRY(block_forward(m, &m->dec_blocks[i], f, B, L, Dd, c->dec_heads, c->dec_mlp_hidden, err));
+
+    /* Final norm and diffusion_pos_embed only on the rows the head needs. */
+    if (n_out == 0)
+        return MC_OK;
+    int32_t *host = malloc((size_t)n_out * 2 * sizeof(int32_t));
+    if (host == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate output indices");
+    int32_t *src_rows = host, *pos_rows = host + n_out;
+    for (int64_t i = 0; i < n_out; i++) {
+        int64_t b = out_rows[i] / S, pos = out_rows[i] % S;
+        src_rows[i] = (int32_t)(b * L + P + pos);
+        pos_rows[i] = (int32_t)pos;
+    }
+    int32_t *d_src = upload_index(m, WSI_A, src_rows, n_out, err);
+    int32_t *d_pos = d_src ? upload_index(m, WSI_B, pos_rows, n_out, err) : NULL;
+    free(host);
+    float *pos_embed = mc_mar_ws(m, WS_GATHER, (size_t)(n_out * Dd), err);
+    if (d_pos == NULL || pos_embed == NULL)
+        return err->status;
+    MC_TRY(ops->gather_rows(be, f, Dd, d_src, n_out, Dd, z_out, Dd, err));
+    MC_TRY(ops->layernorm(be, z_out, Dd, n_out, Dd, m->dec_norm_w, m->dec_norm_b, MAR_LN_EPS, NULL,
+                          NULL, 0, z_out, Dd, err));
+    MC_TRY(ops->gather_rows(be, m->diff_pos, Dd, d_pos, n_out, Dd, pos_embed, Dd, err));
+    MC_TRY(ops->add_rows(be, z_out, Dd, n_out, Dd, pos_embed, Dd, n_out, err));
+    return MC_OK;
+}
+
+/* ------------------------------------------------------------------- head */
+
+mc_status mc_mar_head_cond(mc_mar *m, const float *z, int64_t rows, float *c_emb, mc_err *err) {
+    const mc_mar_config *c = &m->config;
+    return m->backend->ops->linear(m->backend, z, c->dec_width, rows, c->dec_width, m->cond_w,
+                                   m->cond_b, c->head_width, MC_ACT_NONE, 0.0f, c_emb,
+                                   c->head_width, err);
+}
+
+mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
+                              const float *c_emb, int64_t t_index, float *out, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const mc_mar_config *c = &m->config;
+    const int64_t W = c->head_width, C = c->token_channels;
+    if (t_index < 0 || t_index >= m->n_timesteps)
+        return mc_fail(err, MC_ERR_INTERNAL, "head: timestep index %lld out of range", (long long)t_index);
+    float *y = mc_mar_ws(m, WS_HEAD_Y, (size_t)(rows * W), err);
+    float *ada = mc_mar_ws(m, WS_HEAD_ADA, (size_t)(rows * 3 * W), err);
+    float *h = mc_mar_ws(m, WS_HEAD_H, (size_t)(rows * W), err);
+    float *u = mc_mar_ws(m, WS_HEAD_U, (size_t)(rows * W), err);
+    float *u2 = mc_mar_ws(m, WS_HEAD_U2, (size_t)(rows * W), err);
+    if (!y || !ada || !h || !u || !u2)
+        return err->status;
+
+    /* SiLU(t_emb + c_emb) feeds every adaLN modulation. */
+    MC_TRY(ops->copy(be, y, c_emb, (size_t)(rows * W) * sizeof(float), err));
+    MC_TRY(ops->add_rows(be, y, W, rows, W, m->time_embeddings + t_index * W, W, 1, err));
+    MC_TRY(ops->activation(be, MC_ACT_SILU, y, W, rows, W, err));
+
+    int64_t x_rows = x_duplicated ? rows / 2 : rows;
+    MC_TRY(ops->linear(be, x, C, x_rows, C, m->input_proj_w, m->input_proj_b, W, MC_ACT_NONE, 0.0f,
+                       h, W, err));
+    if (x_duplicated)
+        MC_TRY(ops->copy(be, h + x_rows * W, h, (size_t)(x_rows * W) * sizeof(float), err));
+
+    for (int64_t j = 0; j < c->head_depth; j++) {
+        const mc_mar_res_block *r = &m->res_blocks[j];
+        MC_TRY(ops->linear(be, y, W, rows, W, r->ada_w, r->ada_b, 3 * W, MC_ACT_NONE, 0.0f, ada,
+                           3 * W, err));
+        MC_TRY(ops->layernorm(be, h, W, rows, W, r->in_ln_w, r->in_ln_b, MAR_LN_EPS, ada, ada + W,
+                              3 * W, u, W, err));
+        MC_TRY(ops->linear(be, u, W, rows, W, r->mlp0_w, r->mlp0_b, W, MC_ACT_SILU, 0.0f, u2, W, err));
+        MC_TRY(ops->linear(be, u2, W, rows, W, r->mlp2_w, r->mlp2_b, W, MC_ACT_NONE, 0.0f, u, W, err));
+        MC_TRY(ops->gated_add(be, h, W, u, W, ada + 2 * W, 3 * W, rows, W, err));
+    }
+    MC_TRY(ops->linear(be, y, W, rows, W, m->final_ada_w, m->final_ada_b, 2 * W, MC_ACT_NONE, 0.0f,
+                       ada, 2 * W, err));
+    MC_TRY(ops->layernorm(be, h, W, rows, W, NULL, NULL, MAR_LN_EPS, ada, ada + W, 2 * W, u, W, err));
+    MC_TRY(ops->linear(be, u, W, rows, W, m->final_linear_w, m->final_linear_b, 2 * C, MC_ACT_NONE,
+                       0.0f, out, 2 * C, err));
+    return MC_OK;
+}

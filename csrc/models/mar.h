@@ -1,0 +1,122 @@
+/* MAR (LTH14/mar): MAE encoder, MAE decoder and the SimpleMLPAdaLN diffusion
+ * head, written against the backend op table. Hyper-parameters are read back
+ * from the checkpoint shapes (spec mar.md section 4). The model knows nothing
+ * of sampling or caching policy: runtime/ drives it. */
+#ifndef MC_MAR_H
+#define MC_MAR_H
+
+#include <stdint.h>
+
+#include "../backend/ops.h"
+#include "../io/bind.h"
+#include "../io/safetensors.h"
+
+typedef struct mc_mar_config {
+    int64_t width;          /* encoder width D */
+    int64_t enc_depth;
+    int64_t enc_heads;
+    int64_t dec_width;      /* decoder width Dd */
+    int64_t dec_depth;
+    int64_t dec_heads;
+    int64_t mlp_hidden;     /* encoder MLP hidden size */
+    int64_t dec_mlp_hidden;
+    int64_t head_width;     /* diffusion head width W */
+    int64_t head_depth;     /* number of head res blocks d */
+    int64_t seq_len;        /* image tokens S */
+    int64_t buffer_size;    /* class-token buffer rows P */
+    int64_t token_channels; /* C */
+    int64_t num_classes;
+} mc_mar_config;
+
+typedef struct mc_mar_block {
+    float *norm1_w, *norm1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
+    float *norm2_w, *norm2_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+} mc_mar_block;
+
+typedef struct mc_mar_res_block {
+    float *in_ln_w, *in_ln_b, *mlp0_w, *mlp0_b, *mlp2_w, *mlp2_b, *ada_w, *ada_b;
+} mc_mar_res_block;
+
+/* Activation buffers, grown on demand and reused across steps and calls. */
+typedef struct mc_mar_workspace {
+    float *slots[24];
+    size_t slot_floats[24];
+    int32_t *index_slots[8];
+    size_t index_slot_count[8];
+} mc_mar_workspace;
+
+typedef struct mc_mar {
+    mc_backend *backend;
+    mc_mar_config config;
+    mc_alloc_list weights;
+
+    float *fake_latent, *enc_pos, *mask_token, *dec_pos, *diff_pos, *class_emb;
+    float *z_proj_w, *z_proj_b, *z_proj_ln_w, *z_proj_ln_b;
+    mc_mar_block *enc_blocks, *dec_blocks;
+    float *enc_norm_w, *enc_norm_b, *dec_embed_w, *dec_embed_b, *dec_norm_w, *dec_norm_b;
+
+    float *time_mlp0_w, *time_mlp0_b, *time_mlp2_w, *time_mlp2_b;
+    float *cond_w, *cond_b, *input_proj_w, *input_proj_b;
+    mc_mar_res_block *res_blocks;
+    float *final_ada_w, *final_ada_b, *final_linear_w, *final_linear_b;
+
+    /* Hoisted at load: decoder rows of unknown positions before the blocks
+     * (mask_token + decoder_pos_embed), and the head's time embedding for
+     * every diffusion timestep it will be called with. */
+    float *dec_masked_rows; /* [P + S, Dd] */
+    float *time_embeddings; /* [n_timesteps, W] */
+    int64_t n_timesteps;
+
+    mc_mar_workspace ws;
+} mc_mar;
+
+/* Loads a MAR checkpoint. `heads_override` / `dec_heads_override` <= 0 mean:
+ * read metadata "heads"/"decoder_heads" if present, else the width table of
+ * mar.md (768 -> 12, 1024 -> 16, 1280 -> 16). `timesteps` are the original
+ * diffusion indices the head will see (tau_j), precomputed into embeddings. */
+mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override,
+                      const int32_t *timesteps, int64_t n_timesteps, mc_mar **out, mc_err *err);
+void mc_mar_free(mc_mar *mar);
+int64_t mc_mar_num_params(const mc_mar *mar);
+
+/* Transformer input for B' sequences sharing one known-token count K. */
+typedef struct mc_mar_batch {
+    int64_t n_seq;              /* B' */
+    int64_t n_known;            /* K */
+    const float *tokens;        /* backend [B', S, C] */
+    const int32_t *known_pos;   /* host [B', K]: known positions, ascending per row */
+    const float *class_vectors; /* backend [B', D] */
+} mc_mar_batch;
+
+/* Runs encoder and decoder; writes the condition vectors of `n_out` rows
+ * (out_rows, host: flat indices b * S + position) to z_out [n_out, Dd]
+ * (backend memory). */
+mc_status mc_mar_transformer(mc_mar *mar, const mc_mar_batch *batch, const int32_t *out_rows,
+                             int64_t n_out, float *z_out, mc_err *err);
+
+/* Class vectors: label < 0 selects fake_latent (unconditional). */
+mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t n, float *out,
+                               mc_err *err);
+
+/* The head network on N rows at timestep index `t_index` (into the hoisted
+ * timesteps): out[N, 2C] = net(x, tau, c) where c_emb = cond_embed(c) was
+ * computed by mc_mar_head_cond. x_rows = N, or N/2 with x_duplicated
+ * (the CFG wrapper feeds [x; x]). */
+mc_status mc_mar_head_cond(mc_mar *mar, const float *z, int64_t rows, float *c_emb, mc_err *err);
+mc_status mc_mar_head_forward(mc_mar *mar, const float *x, int64_t rows, int x_duplicated,
+                              const float *c_emb, int64_t t_index, float *out, mc_err *err);
+
+/* Workspace slots 0..12 and index slots 0..2 belong to the model's forward
+ * passes; callers (runtime/) use the rest. */
+enum {
+    MC_MAR_WS_FIRST_FREE = 13,
+    MC_MAR_WS_SLOTS = 24,
+    MC_MAR_WSI_FIRST_FREE = 3,
+    MC_MAR_WSI_SLOTS = 8
+};
+
+/* Workspace slot access (grow-only). */
+float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err);
+int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err);
+
+#endif

@@ -1,0 +1,492 @@
+/* marcache._C.MAR: a loaded MAR model and its sampler. Arguments are checked
+ * here and in marcache/ (the public API); compute releases the GIL and polls
+ * for Ctrl-C between AR steps. */
+#include "py_numpy.h"
+
+#include <stdint.h>
+#include <string.h>
+
+#include "../runtime/mar_sampler.h"
+
+typedef struct {
+    PyObject_HEAD
+    mc_backend *backend;
+    mc_mar *mar;
+    mc_diffusion diffusion;
+    int busy; /* set while the GIL is released: one call at a time */
+} PyMAR;
+
+static void mar_dealloc(PyMAR *self) {
+    mc_mar_free(self->mar);
+    mc_backend_destroy(self->backend);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int mar_init(PyMAR *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"path", "heads", "diffusion_steps", "threads", NULL};
+    PyObject *path_obj = NULL;
+    int heads = 0, diffusion_steps = 100, threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&|iii", keywords, PyUnicode_FSConverter, &path_obj,
+                                     &heads, &diffusion_steps, &threads))
+        return -1;
+    mc_err err = {0};
+    mc_st_file *file = NULL;
+    mc_status st = MC_OK;
+    mc_mar_free(self->mar);
+    self->mar = NULL;
+    const char *path = PyBytes_AS_STRING(path_obj);
+    Py_BEGIN_ALLOW_THREADS
+    st = mc_diffusion_init(&self->diffusion, diffusion_steps, &err);
+    if (st == MC_OK && self->backend == NULL)
+        st = mc_backend_cpu_create(&self->backend, threads, &err);
+    if (st == MC_OK)
+        st = mc_st_open(path, &file, &err);
+    if (st == MC_OK)
+        st = mc_mar_load(self->backend, file, heads, self->diffusion.timesteps,
+                         self->diffusion.n_steps, &self->mar, &err);
+    mc_st_close(file);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_obj);
+    if (st != MC_OK) {
+        mcpy_raise(&err);
+        return -1;
+    }
+    return 0;
+}
+
+static int claim(PyMAR *self) {
+    if (self->mar == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "MAR model is not loaded");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this MAR model is already running a call in another thread");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+/* A C-contiguous array of the given type and rank, or NULL with ValueError. */
+static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char *what) {
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 0, 0, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST);
+    if (arr == NULL)
+        return NULL;
+    if (PyArray_NDIM(arr) != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got %d", what, ndim, PyArray_NDIM(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+typedef struct step_callback_ctx {
+    PyThreadState *thread_state;
+    PyObject *callback;   /* Python callable(info dict) or NULL */
+    PyObject *step_list;  /* list collecting step dicts */
+    int failed;
+} step_callback_ctx;
+
+static PyObject *step_info_dict(const mc_step_info *s) {
+    return Py_BuildValue("{s:i,s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:d,s:d}", "step", s->step, "masked_before",
+                         (long long)s->masked_before, "predicted", (long long)s->predicted, "cfg",
+                         (double)s->cfg, "encoder_rows", (long long)s->encoder_rows, "decoder_rows",
+                         (long long)s->decoder_rows, "head_rows", (long long)s->head_rows,
+                         "head_evaluations", (long long)s->head_evaluations, "flops", s->flops,
+                         "seconds", s->seconds);
+}
+
+/* Runs with the GIL released; takes it back briefly to record the step,
+ * call the progress callback and check for Ctrl-C. */
+static int on_step(void *opaque, const mc_step_info *info) {
+    step_callback_ctx *ctx = opaque;
+    PyEval_RestoreThread(ctx->thread_state);
+    int cancel = 0;
+    PyObject *d = step_info_dict(info);
+    if (d == NULL || PyList_Append(ctx->step_list, d) < 0)
+        cancel = 1;
+    if (!cancel && ctx->callback != NULL && ctx->callback != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(ctx->callback, d, NULL);
+        if (r == NULL)
+            cancel = 1;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(d);
+    if (!cancel && PyErr_CheckSignals() < 0)
+        cancel = 1;
+    ctx->failed = cancel;
+    ctx->thread_state = PyEval_SaveThread();
+    return cancel;
+}
+
+static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"labels", "steps", "cfg", "cfg_schedule", "temperature", "seed",
+                               "first_index", "callback", NULL};
+    PyObject *labels_obj, *callback = Py_None;
+    int steps = 64;
+    double cfg = 1.0, temperature = 1.0;
+    const char *schedule_name = "linear";
+    unsigned long long seed = 0, first_index = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|idsdKKO", keywords, &labels_obj, &steps, &cfg,
+                                     &schedule_name, &temperature, &seed, &first_index, &callback))
+        return NULL;
+    mc_cfg_schedule schedule;
+    if (strcmp(schedule_name, "linear") == 0)
+        schedule = MC_CFG_LINEAR;
+    else if (strcmp(schedule_name, "constant") == 0)
+        schedule = MC_CFG_CONSTANT;
+    else
+        return PyErr_Format(PyExc_ValueError, "cfg_schedule must be 'linear' or 'constant', got '%s'", schedule_name);
+    if (first_index > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
+    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
+    if (labels == NULL)
+        return NULL;
+    const int64_t n = PyArray_DIM(labels, 0);
+    const int32_t *label_data = PyArray_DATA(labels);
+    for (int64_t i = 0; i < n; i++)
+        if (label_data[i] < -1 || label_data[i] >= self->mar->config.num_classes) {
+            Py_DECREF(labels);
+            return PyErr_Format(PyExc_ValueError, "label %d at index %lld is outside 0..%lld (or -1 for unconditional)",
+                                label_data[i], (long long)i, (long long)self->mar->config.num_classes - 1);
+        }
+    if (claim(self) < 0) {
+        Py_DECREF(labels);
+        return NULL;
+    }
+    const mc_mar_config *c = &self->mar->config;
+    npy_intp dims[3] = {(npy_intp)n, (npy_intp)c->seq_len, (npy_intp)c->token_channels};
+    PyArrayObject *tokens = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
+    PyObject *step_list = PyList_New(0);
+    mc_step_info *infos = PyMem_Calloc((size_t)(steps > 0 ? steps : 1), sizeof(mc_step_info));
+    if (tokens == NULL || step_list == NULL || infos == NULL) {
+        self->busy = 0;
+        Py_DECREF(labels);
+        Py_XDECREF(tokens);
+        Py_XDECREF(step_list);
+        PyMem_Free(infos);
+        return PyErr_NoMemory();
+    }
+    step_callback_ctx ctx = {.callback = callback, .step_list = step_list};
+    mc_mar_generate_args gen = {
+        .labels = label_data, .n_images = n, .num_steps = steps, .cfg = cfg, .cfg_schedule = schedule,
+        .temperature = temperature, .seed = (uint64_t)seed, .first_index = (uint32_t)first_index,
+        .on_step = on_step, .callback_ctx = &ctx,
+    };
+    mc_err err = {0};
+    ctx.thread_state = PyEval_SaveThread();
+    mc_status st = mc_mar_generate(self->mar, &self->diffusion, &gen, PyArray_DATA(tokens), infos, &err);
+    PyEval_RestoreThread(ctx.thread_state);
+    self->busy = 0;
+    Py_DECREF(labels);
+    PyMem_Free(infos);
+    if (st != MC_OK) {
+        Py_DECREF(tokens);
+        Py_DECREF(step_list);
+        if (ctx.failed && PyErr_Occurred())
+            return NULL;
+        return mcpy_raise(&err);
+    }
+    return Py_BuildValue("(NN)", tokens, step_list);
+}
+
+/* transformer(tokens [B', S, C], mask [B', S] (nonzero = unknown), labels [B'] (-1 = fake_latent)) -> z [B', S, Dd] */
+static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
+    PyObject *tok_obj, *mask_obj, *lab_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &tok_obj, &mask_obj, &lab_obj))
+        return NULL;
+    if (self->mar == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
+    const mc_mar_config *c = &self->mar->config;
+    PyArrayObject *tok = as_array(tok_obj, NPY_FLOAT32, 3, "tokens");
+    PyArrayObject *mask = tok ? as_array(mask_obj, NPY_UINT8, 2, "mask") : NULL;
+    PyArrayObject *lab = mask ? as_array(lab_obj, NPY_INT32, 1, "labels") : NULL;
+    PyObject *result = NULL;
+    int32_t *known = NULL, *out_rows = NULL;
+    if (lab == NULL)
+        goto done;
+    const int64_t B = PyArray_DIM(tok, 0), S = c->seq_len;
+    if (PyArray_DIM(tok, 1) != S || PyArray_DIM(tok, 2) != c->token_channels || PyArray_DIM(mask, 0) != B ||
+        PyArray_DIM(mask, 1) != S || PyArray_DIM(lab, 0) != B) {
+        PyErr_Format(PyExc_ValueError, "expected tokens [B, %lld, %lld], mask [B, %lld], labels [B]",
+                     (long long)S, (long long)c->token_channels, (long long)S);
+        goto done;
+    }
+    const uint8_t *m = PyArray_DATA(mask);
+    int64_t K = -1;
+    known = PyMem_Malloc((size_t)(B * S + 1) * sizeof(int32_t));
+    out_rows = PyMem_Malloc((size_t)(B * S + 1) * sizeof(int32_t));
+    if (!known || !out_rows) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t k = 0;
+        for (int64_t p = 0; p < S; p++)
+            if (!m[b * S + p])
+                k++;
+        if (K >= 0 && k != K) {
+            PyErr_Format(PyExc_ValueError, "every row must have the same number of known tokens (row 0: %lld, row %lld: %lld)",
+                         (long long)K, (long long)b, (long long)k);
+            goto done;
+        }
+        K = k;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t k = 0;
+        for (int64_t p = 0; p < S; p++)
+            if (!m[b * S + p])
+                known[b * K + k++] = (int32_t)p;
+    }
+    for (int64_t i = 0; i < B * S; i++)
+        out_rows[i] = (int32_t)i;
+    const int32_t *labels = PyArray_DATA(lab);
+    for (int64_t b = 0; b < B; b++)
+        if (labels[b] < -1 || labels[b] >= c->num_classes) {
+            PyErr_Format(PyExc_ValueError, "label %d outside 0..%lld", labels[b], (long long)c->num_classes - 1);
+            goto done;
+        }
+    npy_intp dims[3] = {(npy_intp)B, (npy_intp)S, (npy_intp)c->dec_width};
+    PyArrayObject *z = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
+    if (z == NULL || claim(self) < 0) {
+        Py_XDECREF(z);
+        goto done;
+    }
+    mc_err err = {0};
+    mc_status st;
+    mc_mar *mar = self->mar;
+    mc_backend *be = self->backend;
+    Py_BEGIN_ALLOW_THREADS
+    float *d_tokens = mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE, (size_t)(B * S * c->token_channels), &err);
+    float *d_class = d_tokens ? mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE + 1, (size_t)(B * c->width), &err) : NULL;
+    float *d_z = d_class ? mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE + 2, (size_t)(B * S * c->dec_width), &err) : NULL;
+    st = d_z ? MC_OK : err.status;
+    if (st == MC_OK)
+        st = be->ops->upload(be, d_tokens, PyArray_DATA(tok), (size_t)(B * S * c->token_channels) * sizeof(float), &err);
+    if (st == MC_OK)
+        st = mc_mar_class_vectors(mar, labels, B, d_class, &err);
+    if (st == MC_OK) {
+        mc_mar_batch batch = {.n_seq = B, .n_known = K, .tokens = d_tokens, .known_pos = known, .class_vectors = d_class};
+        st = mc_mar_transformer(mar, &batch, out_rows, B * S, d_z, &err);
+    }
+    if (st == MC_OK)
+        st = be->ops->download(be, PyArray_DATA(z), d_z, (size_t)(B * S * c->dec_width) * sizeof(float), &err);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (st != MC_OK) {
+        Py_DECREF(z);
+        mcpy_raise(&err);
+        goto done;
+    }
+    result = (PyObject *)z;
+done:
+    PyMem_Free(known);
+    PyMem_Free(out_rows);
+    Py_XDECREF(tok);
+    Py_XDECREF(mask);
+    Py_XDECREF(lab);
+    return result;
+}
+
+/* head(x [N, C], z [N, Dd], timestep_index) -> net output [N, 2C] (no CFG). */
+static PyObject *mar_head(PyMAR *self, PyObject *args) {
+    PyObject *x_obj, *z_obj;
+    int t_index;
+    if (!PyArg_ParseTuple(args, "OOi", &x_obj, &z_obj, &t_index))
+        return NULL;
+    if (self->mar == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
+    const mc_mar_config *c = &self->mar->config;
+    if (t_index < 0 || t_index >= self->diffusion.n_steps)
+        return PyErr_Format(PyExc_ValueError, "timestep index must be in 0..%d", self->diffusion.n_steps - 1);
+    PyArrayObject *x = as_array(x_obj, NPY_FLOAT32, 2, "x");
+    PyArrayObject *z = x ? as_array(z_obj, NPY_FLOAT32, 2, "z") : NULL;
+    if (z == NULL) {
+        Py_XDECREF(x);
+        return NULL;
+    }
+    const int64_t N = PyArray_DIM(x, 0);
+    if (PyArray_DIM(x, 1) != c->token_channels || PyArray_DIM(z, 0) != N || PyArray_DIM(z, 1) != c->dec_width) {
+        Py_DECREF(x);
+        Py_DECREF(z);
+        return PyErr_Format(PyExc_ValueError, "expected x [N, %lld] and z [N, %lld]", (long long)c->token_channels,
+                            (long long)c->dec_width);
+    }
+    npy_intp dims[2] = {(npy_intp)N, (npy_intp)(2 * c->token_channels)};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (out == NULL || claim(self) < 0) {
+        Py_DECREF(x);
+        Py_DECREF(z);
+        Py_XDECREF(out);
+        return NULL;
+    }
+    mc_err err = {0};
+    mc_status st;
+    mc_mar *mar = self->mar;
+    mc_backend *be = self->backend;
+    const int64_t W = c->head_width, C = c->token_channels;
+    Py_BEGIN_ALLOW_THREADS
+    int base = MC_MAR_WS_FIRST_FREE;
+    float *d_x = mc_mar_ws(mar, base, (size_t)(N * C), &err);
+    float *d_z = d_x ? mc_mar_ws(mar, base + 1, (size_t)(N * c->dec_width), &err) : NULL;
+    float *d_c = d_z ? mc_mar_ws(mar, base + 2, (size_t)(N * W), &err) : NULL;
+    float *d_out = d_c ? mc_mar_ws(mar, base + 3, (size_t)(N * 2 * C), &err) : NULL;
+    st = d_out ? MC_OK : err.status;
+    if (st == MC_OK)
+        st = be->ops->upload(be, d_x, PyArray_DATA(x), (size_t)(N * C) * sizeof(float), &err);
+    if (st == MC_OK)
+        st = be->ops->upload(be, d_z, PyArray_DATA(z), (size_t)(N * c->dec_width) * sizeof(float), &err);
+    if (st == MC_OK)
+        st = mc_mar_head_cond(mar, d_z, N, d_c, &err);
+    if (st == MC_OK)
+        st = mc_mar_head_forward(mar, d_x, N, 0, d_c, t_index, d_out, &err);
+    if (st == MC_OK)
+        st = be->ops->download(be, PyArray_DATA(out), d_out, (size_t)(N * 2 * C) * sizeof(float), &err);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(x);
+    Py_DECREF(z);
+    if (st != MC_OK) {
+        Py_DECREF(out);
+        return mcpy_raise(&err);
+    }
+    return (PyObject *)out;
+}
+
+/* head_sample(z [n or 2n, Dd], images uint32 [n], positions uint32 [n], cfg, temperature, seed) -> x [n, C] */
+static PyObject *mar_head_sample(PyMAR *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"z", "images", "positions", "cfg", "temperature", "seed", NULL};
+    PyObject *z_obj, *img_obj, *pos_obj;
+    double cfg = 1.0, temperature = 1.0;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|ddK", keywords, &z_obj, &img_obj, &pos_obj, &cfg,
+                                     &temperature, &seed))
+        return NULL;
+    if (self->mar == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
+    const mc_mar_config *c = &self->mar->config;
+    PyArrayObject *z = as_array(z_obj, NPY_FLOAT32, 2, "z");
+    PyArrayObject *img = z ? as_array(img_obj, NPY_UINT32, 1, "images") : NULL;
+    PyArrayObject *pos = img ? as_array(pos_obj, NPY_UINT32, 1, "positions") : NULL;
+    if (pos == NULL) {
+        Py_XDECREF(z);
+        Py_XDECREF(img);
+        return NULL;
+    }
+    const int cfg_on = cfg != 1.0;
+    const int64_t n = PyArray_DIM(img, 0);
+    if (PyArray_DIM(pos, 0) != n || PyArray_DIM(z, 0) != (cfg_on ? 2 * n : n) || PyArray_DIM(z, 1) != c->dec_width) {
+        Py_DECREF(z);
+        Py_DECREF(img);
+        Py_DECREF(pos);
+        return PyErr_Format(PyExc_ValueError, "expected images [n], positions [n] and z [%s, %lld]",
+                            cfg_on ? "2n" : "n", (long long)c->dec_width);
+    }
+    npy_intp dims[2] = {(npy_intp)n, (npy_intp)c->token_channels};
+    PyArrayObject *x = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (x == NULL || claim(self) < 0) {
+        Py_DECREF(z);
+        Py_DECREF(img);
+        Py_DECREF(pos);
+        Py_XDECREF(x);
+        return NULL;
+    }
+    mc_err err = {0};
+    mc_status st;
+    mc_mar *mar = self->mar;
+    mc_backend *be = self->backend;
+    const int64_t zrows = PyArray_DIM(z, 0);
+    Py_BEGIN_ALLOW_THREADS
+    float *d_z = mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE + 2, (size_t)(zrows * c->dec_width), &err);
+    st = d_z ? MC_OK : err.status;
+    if (st == MC_OK)
+        st = be->ops->upload(be, d_z, PyArray_DATA(z), (size_t)(zrows * c->dec_width) * sizeof(float), &err);
+    if (st == MC_OK)
+        st = mc_mar_head_sample(mar, &self->diffusion, d_z, n, cfg_on, (float)cfg, temperature, (uint64_t)seed,
+                                PyArray_DATA(img), PyArray_DATA(pos), PyArray_DATA(x), &err);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(z);
+    Py_DECREF(img);
+    Py_DECREF(pos);
+    if (st != MC_OK) {
+        Py_DECREF(x);
+        return mcpy_raise(&err);
+    }
+    return (PyObject *)x;
+}
+
+static PyObject *mar_get_config(PyMAR *self, void *closure) {
+    (void)closure;
+    if (self->mar == NULL)
+        Py_RETURN_NONE;
+    const mc_mar_config *c = &self->mar->config;
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:i}",
+                         "width", (long long)c->width, "depth", (long long)c->enc_depth, "heads",
+                         (long long)c->enc_heads, "decoder_width", (long long)c->dec_width,
+                         "decoder_depth", (long long)c->dec_depth, "decoder_heads", (long long)c->dec_heads,
+                         "mlp_hidden", (long long)c->mlp_hidden, "decoder_mlp_hidden",
+                         (long long)c->dec_mlp_hidden, "head_width", (long long)c->head_width,
+                         "head_depth", (long long)c->head_depth, "seq_len", (long long)c->seq_len,
+                         "buffer_size", (long long)c->buffer_size, "token_channels",
+                         (long long)c->token_channels, "num_classes", (long long)c->num_classes,
+                         "diffusion_steps", self->diffusion.n_steps);
+}
+
+static PyObject *mar_get_num_params(PyMAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->mar ? (long long)mc_mar_num_params(self->mar) : 0);
+}
+
+static PyObject *mar_get_timesteps(PyMAR *self, void *closure) {
+    (void)closure;
+    PyObject *list = PyList_New(self->diffusion.n_steps);
+    for (int i = 0; list && i < self->diffusion.n_steps; i++)
+        PyList_SET_ITEM(list, i, PyLong_FromLong(self->diffusion.timesteps[i]));
+    return list;
+}
+
+static PyMethodDef mar_methods[] = {
+    {"generate", (PyCFunction)(void (*)(void))mar_generate, METH_VARARGS | METH_KEYWORDS,
+     "generate(labels int32 [n] (-1 = unconditional), steps, cfg, cfg_schedule, temperature, seed, "
+     "first_index, callback) -> (tokens float32 [n, S, C], list of per-step dicts)"},
+    {"transformer", (PyCFunction)mar_transformer, METH_VARARGS,
+     "transformer(tokens [B, S, C], mask uint8 [B, S] (1 = unknown), labels int32 [B] (-1 = fake_latent)) -> z [B, S, Dd]"},
+    {"head", (PyCFunction)mar_head, METH_VARARGS,
+     "head(x [N, C], z [N, Dd], timestep_index) -> net output [N, 2C] at timesteps[timestep_index]"},
+    {"head_sample", (PyCFunction)(void (*)(void))mar_head_sample, METH_VARARGS | METH_KEYWORDS,
+     "head_sample(z, images, positions, cfg=1.0, temperature=1.0, seed=0) -> x [n, C]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef mar_getset[] = {
+    {"config", (getter)mar_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
+    {"num_params", (getter)mar_get_num_params, NULL, "number of parameters", NULL},
+    {"timesteps", (getter)mar_get_timesteps, NULL, "original diffusion timesteps tau_j seen by the head", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PyMAR_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "marcache._C.MAR",
+    .tp_basicsize = sizeof(PyMAR),
+    .tp_dealloc = (destructor)mar_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MAR(path, heads=0, diffusion_steps=100, threads=0): a MAR model on the CPU backend",
+    .tp_methods = mar_methods,
+    .tp_getset = mar_getset,
+    .tp_init = (initproc)mar_init,
+    .tp_new = PyType_GenericNew,
+};
+
+int mcpy_mar_init(PyObject *module) {
+    if (PyType_Ready(&PyMAR_Type) < 0)
+        return -1;
+    Py_INCREF(&PyMAR_Type);
+    if (PyModule_AddObject(module, "MAR", (PyObject *)&PyMAR_Type) < 0) {
+        Py_DECREF(&PyMAR_Type);
+        return -1;
+    }
+    return 0;
+}

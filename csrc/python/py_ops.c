@@ -1,0 +1,1312 @@
+/* Op-level binding: runs one primitive of the backend op table (ops.h) on
+ * host NumPy arrays, for the table-driven op test (tests/test_ops.py).
+ *
+ *   backends() -> list[str]     backends built in (one entry per factory below)
+ *   op_names() -> list[str]     every op of the table, implemented or not
+ *   run_op(backend, name, inputs: tuple, params: dict) -> numpy.ndarray
+ *
+ * Each call creates the backend, copies the inputs into backend buffers,
+ * runs the op with the GIL released, downloads the result into a fresh
+ * array and releases everything, on every path. Inputs are never modified:
+ * an op that works in place gets a copy and its result is returned.
+ *
+ * Arrays. Tensors must be numpy.ndarray of float32 (indices int32, token
+ * ids uint32) with exactly the rank below; nothing is cast. Where the op
+ * takes a row stride ("ld", marked strided below), a view whose last axis is
+ * contiguous is passed as is: its row stride becomes ld and, for 3-D
+ * arrays, its batch stride becomes the batch stride. So q = qkv[:, :, :C]
+ * of a fused buffer runs the op on the fused layout. Any other layout is
+ * copied to C order first. Results are C-contiguous with the shape below.
+ * Optional arguments may be None or left off the end of the tuple.
+ * Unknown params keys, wrong types, ranks, shapes or dtypes raise ValueError
+ * naming the op and the argument; an op the backend leaves NULL raises
+ * NotImplementedError; a failure inside the op raises per mcpy_raise.
+ *
+ * Conventions (inputs; params, "=" marks a default; result):
+ *   gemm         (A, B, C=None); trans_a=False, trans_b=False, alpha=1, beta=0
+ *                A [m,k] ([k,m] if trans_a), B [k,n] ([n,k] if trans_b),
+ *                C [m,n] (None: zeros); all strided -> C
+ *   linear       (x [rows,in] strided, W [out,in], bias [out]=None,
+ *                y [rows,out] strided=None); act="none"|"gelu"|"silu",
+ *                beta=0 (0 or 1; 1 needs act "none") -> y
+ *   layernorm    (x [rows,dim] strided, w [dim]=None, b [dim]=None,
+ *                shift [rows,dim] strided=None, scale likewise=None); eps,
+ *                inplace=False (y written over x) -> y.
+ *                b needs w; shift and scale come together.
+ *   activation   (x [rows,dim] strided,); act -> x
+ *   add_rows     (y [rows,dim] strided, v [n,dim] strided); period=n
+ *                (1 <= period <= n) -> y
+ *   gated_add    (y, u, gate), each [rows,dim] strided -> y
+ *   gather_rows  (src [n,dim] strided, idx int32 [rows]) -> dst [rows,dim]
+ *                (every idx in [0, n))
+ *   scatter_rows (src [rows,dim] strided, idx int32 [rows], dst [n,dim]
+ *                strided) -> dst (idx in [0, n) and pairwise distinct)
+ *   attention    (q [B,nq,H*hd], k1, v1, k2, v2, ...), each k/v
+ *                [B,rows_s,H*hd] (1 to 8 segments; rows_s may be 0, at least
+ *                one key in all), all strided; heads, scale=hd**-0.5
+ *                -> out [B,nq,H*hd].
+ *                k_s and v_s share one ld and batch stride in mc_kv_segment:
+ *                if their strides differ both are copied to C order.
+ *   groupnorm    (x [B,HW,C], w [C], b [C]); groups, eps, swish=False,
+ *                inplace=False -> y [B,HW,C]
+ *   conv2d       (x [B,H,W,Cin], w [Cout,Cin,k,k] (PyTorch layout, k odd;
+ *                repacked here to [Cout,k,k,Cin]), bias [Cout]=None,
+ *                y [B,H,W,Cout]=None); beta=0 -> y
+ *   upsample_nearest2x (x [B,H,W,C],) -> y [B,2H,2W,C]
+ *   cfg_combine  (cond [rows,>=ch] strided, uncond [rows,>=ch] strided);
+ *                scale, channels=cond.shape[1] -> out [rows,channels]
+ *   ddpm_step    (x [rows,ch], eps [rows,>=ch] strided, v [rows,>=ch]
+ *                strided, noise [rows,ch]=None); the seven mc_ddpm_coefs
+ *                fields by name (all required; noise needed unless
+ *                noise_scale == 0) -> x
+ *   token_normals (image uint32 [rows], position uint32 [rows]); seed
+ *                (0..2**64-1), stream and step (0..65535), channels (1..64)
+ *                -> out [rows,channels] */
+#include "py_numpy.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../backend/ops.h"
+
+/* ------------------------------------------------------------------------
+ * Backends: one entry per factory built in. A CUDA build adds
+ * {"cuda", create_cuda_backend} and nothing else changes. */
+
+typedef mc_status (*backend_factory)(mc_backend **out, mc_err *err);
+
+typedef struct backend_entry {
+    const char *name;
+    backend_factory create;
+} backend_entry;
+
+static mc_status create_cpu_backend(mc_backend **out, mc_err *err) {
+    return mc_backend_cpu_create(out, 0, err);
+}
+
+static const backend_entry backend_table[] = {
+    {"cpu", create_cpu_backend},
+};
+
+#define BACKEND_COUNT ((int)(sizeof backend_table / sizeof backend_table[0]))
+
+/* ------------------------------------------------------------------------
+ * Operands: one array of the call, its layout in elements and its backend
+ * buffer. */
+
+#define OPERAND_MAX_DIMS 4
+
+typedef struct operand {
+    const char *arg;         /* argument name, for messages */
+    PyArrayObject *host;     /* owned: the array given, or a C-order copy */
+    int typenum;
+    int ndim;
+    int64_t shape[OPERAND_MAX_DIMS];
+    int64_t stride[OPERAND_MAX_DIMS]; /* elements; size-1 axes get the C-order value */
+    int64_t span;            /* elements from the first to one past the last */
+    void *device;            /* backend buffer holding the span, or NULL */
+} operand;
+
+typedef struct op_call {
+    const char *op_name;
+    mc_backend *backend;
+    PyObject *inputs;        /* borrowed tuple */
+    PyObject *params;        /* borrowed dict */
+    operand *operands;       /* owned, `capacity` slots, never reallocated */
+    int operand_count;
+    int operand_capacity;
+    mc_kv_segment *segments; /* owned: attention's segment list */
+    mc_err err;
+} op_call;
+
+static size_t element_size(int typenum) {
+    return typenum == NPY_FLOAT ? sizeof(float) : sizeof(int32_t);
+}
+
+static const char *dtype_name(int typenum) {
+    switch (typenum) {
+    case NPY_FLOAT: return "float32";
+    case NPY_INT32: return "int32";
+    case NPY_UINT32: return "uint32";
+    default: return "?";
+    }
+}
+
+static int64_t operand_ld(const operand *o) { return o->stride[o->ndim - 2]; }
+static int64_t operand_batch_stride(const operand *o) { return o->stride[o->ndim - 3]; }
+
+static void format_shape(char *buf, size_t size, int ndim, const npy_intp *dims) {
+    size_t used = 0;
+    used += (size_t)snprintf(buf, size, "(");
+    for (int i = 0; i < ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "",
+                                 (long long)dims[i]);
+    if (used < size)
+        snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+}
+
+/* Layout in elements of `arr`, or 0 when it cannot be passed without a copy
+ * (strided_ok: last axis contiguous, other strides non-negative, each axis
+ * clear of the extent of the axes after it; else C-contiguous). */
+static int describe_layout(operand *o, PyArrayObject *arr, int strided_ok) {
+    const int64_t item = (int64_t)element_size(o->typenum);
+    const npy_intp *dims = PyArray_DIMS(arr);
+    const npy_intp *strides = PyArray_STRIDES(arr);
+    int empty = 0;
+    for (int i = 0; i < o->ndim; i++) {
+        o->shape[i] = dims[i];
+        empty |= dims[i] == 0;
+    }
+    if (!PyArray_ISALIGNED(arr) || !PyArray_ISNOTSWAPPED(arr))
+        return 0;
+    if (empty || !strided_ok) {
+        if (!empty && !PyArray_IS_C_CONTIGUOUS(arr))
+            return 0;
+        int64_t natural = 1;
+        for (int i = o->ndim - 1; i >= 0; i--) {
+            o->stride[i] = natural;
+            natural *= o->shape[i] > 0 ? o->shape[i] : 1;
+        }
+        int64_t total = 1;
+        for (int i = 0; i < o->ndim; i++)
+            total *= o->shape[i];
+        o->span = total;
+        return 1;
+    }
+    int64_t inner_extent = 1; /* elements spanned by axes i+1.. */
+    for (int i = o->ndim - 1; i >= 0; i--) {
+        int64_t s = (int64_t)strides[i];
+        if (o->shape[i] == 1) {
+            o->stride[i] = i == o->ndim - 1 ? 1 : o->shape[i + 1] * o->stride[i + 1];
+        } else {
+            if (s < 0 || s % item != 0)
+                return 0;
+            o->stride[i] = s / item;
+            if (i == o->ndim - 1 ? o->stride[i] != 1 : o->stride[i] < inner_extent)
+                return 0;
+        }
+        inner_extent += (o->shape[i] - 1) * o->stride[i];
+    }
+    o->span = inner_extent;
+    return 1;
+}
+
+/* Replaces the operand's array by a C-order copy and describes that. */
+static int make_contiguous(op_call *call, operand *o) {
+    PyArrayObject *copy = (PyArrayObject *)PyArray_NewCopy(o->host, NPY_CORDER);
+    if (copy == NULL)
+        return -1;
+    Py_DECREF(o->host);
+    o->host = copy;
+    if (!describe_layout(o, copy, 0)) {
+        PyErr_Format(PyExc_RuntimeError, "%s: argument '%s': cannot lay out a C-order copy",
+                     call->op_name, o->arg);
+        return -1;
+    }
+    return 0;
+}
+
+static operand *new_operand(op_call *call, const char *arg) {
+    if (call->operand_count >= call->operand_capacity) {
+        PyErr_Format(PyExc_RuntimeError, "%s: more operands than the call reserved",
+                     call->op_name);
+        return NULL;
+    }
+    operand *o = &call->operands[call->operand_count++];
+    memset(o, 0, sizeof *o);
+    o->arg = arg;
+    return o;
+}
+
+enum { ARG_REQUIRED = 0, ARG_OPTIONAL = 1 };
+enum { LAYOUT_CONTIGUOUS = 0, LAYOUT_STRIDED = 1 };
+
+/* inputs[index] as an operand of dtype `typenum` and rank `ndim`; *out is
+ * NULL for an optional argument given as None or left off. */
+static int fetch_array(op_call *call, Py_ssize_t index, const char *arg, int typenum, int ndim,
+                       int optional, int strided_ok, operand **out) {
+    *out = NULL;
+    PyObject *obj = index < PyTuple_GET_SIZE(call->inputs)
+                        ? PyTuple_GET_ITEM(call->inputs, index)
+                        : NULL;
+    if (obj == NULL || obj == Py_None) {
+        if (optional)
+            return 0;
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' (input %zd) is required", call->op_name,
+                     arg, index);
+        return -1;
+    }
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected a numpy.ndarray of %s, got %s",
+                     call->op_name, arg, dtype_name(typenum), Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyArrayObject *arr = (PyArrayObject *)obj;
+    if (PyArray_TYPE(arr) != typenum || !PyArray_ISNOTSWAPPED(arr)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s': expected dtype %s (native byte order), got %S",
+                     call->op_name, arg, dtype_name(typenum), (PyObject *)PyArray_DESCR(arr));
+        return -1;
+    }
+    if (PyArray_NDIM(arr) != ndim) {
+        char got[128];
+        format_shape(got, sizeof got, PyArray_NDIM(arr), PyArray_DIMS(arr));
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected %d dimensions, got shape %s",
+                     call->op_name, arg, ndim, got);
+        return -1;
+    }
+    operand *o = new_operand(call, arg);
+    if (o == NULL)
+        return -1;
+    o->typenum = typenum;
+    o->ndim = ndim;
+    Py_INCREF(arr);
+    o->host = arr;
+    if (!describe_layout(o, arr, strided_ok) && make_contiguous(call, o) < 0)
+        return -1;
+    *out = o;
+    return 0;
+}
+
+/* A fresh zero-filled C-order operand (binding-made outputs). */
+static operand *new_zeros(op_call *call, const char *arg, int typenum, int ndim,
+                          const int64_t *shape) {
+    npy_intp dims[OPERAND_MAX_DIMS];
+    for (int i = 0; i < ndim; i++)
+        dims[i] = (npy_intp)shape[i];
+    operand *o = new_operand(call, arg);
+    if (o == NULL)
+        return NULL;
+    o->typenum = typenum;
+    o->ndim = ndim;
+    o->host = (PyArrayObject *)PyArray_ZEROS(ndim, dims, typenum, 0);
+    if (o->host == NULL)
+        return NULL;
+    if (!describe_layout(o, o->host, 0)) {
+        PyErr_Format(PyExc_RuntimeError, "%s: cannot lay out output '%s'", call->op_name, arg);
+        return NULL;
+    }
+    return o;
+}
+
+/* Shape rules: a dimension is any size, exactly `value`, or at least `value`. */
+typedef struct dim_rule {
+    int kind;
+    int64_t value;
+} dim_rule;
+
+enum { DIM_ANY = 0, DIM_EQ = 1, DIM_GE = 2 };
+#define RULE_ANY ((dim_rule){DIM_ANY, 0})
+#define RULE_EQ(v) ((dim_rule){DIM_EQ, (int64_t)(v)})
+#define RULE_GE(v) ((dim_rule){DIM_GE, (int64_t)(v)})
+
+static int check_shape(op_call *call, const operand *o, const dim_rule *rules) {
+    int ok = 1;
+    for (int i = 0; i < o->ndim; i++) {
+        if (rules[i].kind == DIM_EQ && o->shape[i] != rules[i].value)
+            ok = 0;
+        if (rules[i].kind == DIM_GE && o->shape[i] < rules[i].value)
+            ok = 0;
+    }
+    if (ok)
+        return 0;
+    char expected[256], got[128];
+    size_t used = (size_t)snprintf(expected, sizeof expected, "(");
+    for (int i = 0; i < o->ndim && used < sizeof expected; i++) {
+        const char *sep = i ? ", " : "";
+        if (rules[i].kind == DIM_ANY)
+            used += (size_t)snprintf(expected + used, sizeof expected - used, "%s?", sep);
+        else
+            used += (size_t)snprintf(expected + used, sizeof expected - used, "%s%s%lld", sep,
+                                     rules[i].kind == DIM_GE ? ">=" : "",
+                                     (long long)rules[i].value);
+    }
+    if (used < sizeof expected)
+        snprintf(expected + used, sizeof expected - used, o->ndim == 1 ? ",)" : ")");
+    npy_intp dims[OPERAND_MAX_DIMS];
+    for (int i = 0; i < o->ndim; i++)
+        dims[i] = (npy_intp)o->shape[i];
+    format_shape(got, sizeof got, o->ndim, dims);
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected shape %s, got %s", call->op_name,
+                 o->arg, expected, got);
+    return -1;
+}
+
+static PyObject *raise_value(op_call *call, const char *what) {
+    PyErr_Format(PyExc_ValueError, "%s: %s", call->op_name, what);
+    return NULL;
+}
+
+/* Copies the operand's span into a new backend buffer. */
+static int upload_operand(op_call *call, operand *o) {
+    const mc_ops *ops = call->backend->ops;
+    size_t bytes = (size_t)(o->span > 0 ? o->span : 1) * element_size(o->typenum);
+    o->device = ops->alloc(call->backend, bytes, &call->err);
+    if (o->device == NULL) {
+        mcpy_raise(&call->err);
+        return -1;
+    }
+    if (o->span > 0 &&
+        ops->upload(call->backend, o->device, PyArray_DATA(o->host),
+                    (size_t)o->span * element_size(o->typenum), &call->err) != MC_OK) {
+        mcpy_raise(&call->err);
+        return -1;
+    }
+    return 0;
+}
+
+static int upload_all(op_call *call) {
+    for (int i = 0; i < call->operand_count; i++)
+        if (call->operands[i].device == NULL && upload_operand(call, &call->operands[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* The operand's backend contents as a new C-order array of its shape. */
+static PyObject *download_operand(op_call *call, const operand *o) {
+    const size_t item = element_size(o->typenum);
+    npy_intp span_dims[1] = {(npy_intp)(o->span > 0 ? o->span : 1)};
+    PyArrayObject *span = (PyArrayObject *)PyArray_SimpleNew(1, span_dims, o->typenum);
+    if (span == NULL)
+        return NULL;
+    if (o->span > 0 && call->backend->ops->download(call->backend, PyArray_DATA(span), o->device,
+                                                     (size_t)o->span * item,
+                                                     &call->err) != MC_OK) {
+        Py_DECREF(span);
+        return mcpy_raise(&call->err);
+    }
+    npy_intp dims[OPERAND_MAX_DIMS];
+    int64_t outer = 1;
+    for (int i = 0; i < o->ndim; i++) {
+        dims[i] = (npy_intp)o->shape[i];
+        if (i < o->ndim - 1)
+            outer *= o->shape[i];
+    }
+    PyArrayObject *result = (PyArrayObject *)PyArray_SimpleNew(o->ndim, dims, o->typenum);
+    if (result == NULL) {
+        Py_DECREF(span);
+        return NULL;
+    }
+    const int64_t cols = o->shape[o->ndim - 1];
+    if (cols > 0) {
+        const char *src = PyArray_DATA(span);
+        char *dst = PyArray_DATA(result);
+        for (int64_t row = 0; row < outer; row++) {
+            int64_t rest = row, offset = 0;
+            for (int i = o->ndim - 2; i >= 0; i--) {
+                offset += (rest % o->shape[i]) * o->stride[i];
+                rest /= o->shape[i];
+            }
+            memcpy(dst + (size_t)(row * cols) * item, src + (size_t)offset * item,
+                   (size_t)cols * item);
+        }
+    }
+    Py_DECREF(span);
+    return (PyObject *)result;
+}
+
+static void release_call(op_call *call) {
+    for (int i = 0; i < call->operand_count; i++) {
+        operand *o = &call->operands[i];
+        if (o->device != NULL)
+            call->backend->ops->release(call->backend, o->device);
+        Py_XDECREF(o->host);
+    }
+    PyMem_Free(call->operands);
+    PyMem_Free(call->segments);
+    mc_backend_destroy(call->backend);
+}
+
+/* ------------------------------------------------------------------------
+ * Params. Each op lists the keys it reads; any other key is an error. */
+
+static int check_param_keys(op_call *call, const char *const *allowed) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(call->params, &pos, &key, &value)) {
+        int known = 0;
+        if (PyUnicode_Check(key)) {
+            const char *name = PyUnicode_AsUTF8(key);
+            if (name == NULL)
+                return -1;
+            for (int i = 0; allowed[i] != NULL && !known; i++)
+                known = strcmp(name, allowed[i]) == 0;
+        }
+        if (!known) {
+            char list[512];
+            size_t used = 0;
+            list[0] = '\0';
+            for (int i = 0; allowed[i] != NULL && used < sizeof list; i++)
+                used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
+                                         allowed[i]);
+            PyErr_Format(PyExc_ValueError, "%s: unknown param %R; valid params: %s",
+                         call->op_name, key, allowed[0] ? list : "(none)");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Borrowed value of `key`, or NULL when absent (keys are str: no lookup error). */
+static PyObject *param_value(op_call *call, const char *key) {
+    return PyDict_GetItemString(call->params, key);
+}
+
+static int param_missing(op_call *call, const char *key) {
+    PyErr_Format(PyExc_ValueError, "%s: param '%s' is required", call->op_name, key);
+    return -1;
+}
+
+static int param_double(op_call *call, const char *key, int required, double fallback,
+                        double *out) {
+    PyObject *value = param_value(call, key);
+    if (value == NULL) {
+        if (required)
+            return param_missing(call, key);
+        *out = fallback;
+        return 0;
+    }
+    if (PyBool_Check(value) || !PyNumber_Check(value) || PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_ValueError, "%s: param '%s': expected a number, got %s",
+                     call->op_name, key, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    double v = PyFloat_AsDouble(value);
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!isfinite(v)) {
+        PyErr_Format(PyExc_ValueError, "%s: param '%s' must be finite", call->op_name, key);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int param_float(op_call *call, const char *key, int required, float fallback,
+                       float *out) {
+    double v;
+    if (param_double(call, key, required, fallback, &v) < 0)
+        return -1;
+    *out = (float)v;
+    return 0;
+}
+
+/* An integer param in [lo, hi] (an exact integer: bool and float rejected). */
+static int param_integer(op_call *call, const char *key, int required, long long fallback,
+                         long long lo, long long hi, long long *out) {
+    PyObject *value = param_value(call, key);
+    if (value == NULL) {
+        if (required)
+            return param_missing(call, key);
+        *out = fallback;
+        return 0;
+    }
+    if (PyBool_Check(value) || PyFloat_Check(value)) {
+        PyErr_Format(PyExc_ValueError, "%s: param '%s': expected an integer, got %s",
+                     call->op_name, key, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    PyObject *index = PyNumber_Index(value);
+    if (index == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: param '%s': expected an integer, got %s",
+                     call->op_name, key, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s: param '%s' must be in [%lld, %lld], got %R",
+                     call->op_name, key, lo, hi, value);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* A 64-bit unsigned param (the Philox seed). */
+static int param_u64(op_call *call, const char *key, uint64_t *out) {
+    PyObject *value = param_value(call, key);
+    if (value == NULL)
+        return param_missing(call, key);
+    PyObject *index = PyBool_Check(value) || PyFloat_Check(value) ? NULL : PyNumber_Index(value);
+    if (index == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: param '%s': expected an integer, got %s",
+                     call->op_name, key, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: param '%s' must be in [0, 2**64 - 1], got %R",
+                     call->op_name, key, value);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int param_bool(op_call *call, const char *key, int fallback, int *out) {
+    long long v;
+    PyObject *value = param_value(call, key);
+    if (value != NULL && PyBool_Check(value)) {
+        *out = value == Py_True;
+        return 0;
+    }
+    if (param_integer(call, key, 0, fallback, 0, 1, &v) < 0)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int param_act(op_call *call, const char *key, int required, mc_act *out) {
+    PyObject *value = param_value(call, key);
+    if (value == NULL) {
+        if (required)
+            return param_missing(call, key);
+        *out = MC_ACT_NONE;
+        return 0;
+    }
+    const char *name = PyUnicode_Check(value) ? PyUnicode_AsUTF8(value) : NULL;
+    if (name == NULL && PyErr_Occurred())
+        return -1;
+    if (name != NULL && strcmp(name, "none") == 0)
+        *out = MC_ACT_NONE;
+    else if (name != NULL && strcmp(name, "gelu") == 0)
+        *out = MC_ACT_GELU;
+    else if (name != NULL && strcmp(name, "silu") == 0)
+        *out = MC_ACT_SILU;
+    else {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: param '%s': expected 'none', 'gelu' or 'silu', got %R", call->op_name,
+                     key, value);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Running an op: the status of `expr`, evaluated without the GIL; on failure
+ * the handler raises from call->err. */
+
+#define RUN_WITHOUT_GIL(status, expr) \
+    do {                              \
+        Py_BEGIN_ALLOW_THREADS        \
+        (status) = (expr);            \
+        Py_END_ALLOW_THREADS          \
+    } while (0)
+
+#define INT_MAX_LL 2147483647LL
+
+static int check_arity(op_call *call, Py_ssize_t min_args, Py_ssize_t max_args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(call->inputs);
+    if (n < min_args || n > max_args) {
+        if (min_args == max_args)
+            PyErr_Format(PyExc_ValueError, "%s: expected %zd inputs, got %zd", call->op_name,
+                         min_args, n);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: expected %zd to %zd inputs, got %zd",
+                         call->op_name, min_args, max_args, n);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *finish_op(op_call *call, mc_status status, const operand *result) {
+    if (status != MC_OK)
+        return mcpy_raise(&call->err);
+    return download_operand(call, result);
+}
+
+static PyObject *run_gemm(op_call *call) {
+    static const char *const keys[] = {"trans_a", "trans_b", "alpha", "beta", NULL};
+    int trans_a, trans_b;
+    float alpha, beta;
+    operand *a, *b, *c;
+    if (check_param_keys(call, keys) < 0 || param_bool(call, "trans_a", 0, &trans_a) < 0 ||
+        param_bool(call, "trans_b", 0, &trans_b) < 0 ||
+        param_float(call, "alpha", 0, 1.0f, &alpha) < 0 ||
+        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 3) < 0 ||
+        fetch_array(call, 0, "A", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &a) < 0 ||
+        fetch_array(call, 1, "B", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &b) < 0 ||
+        fetch_array(call, 2, "C", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &c) < 0)
+        return NULL;
+    int64_t m = trans_a ? a->shape[1] : a->shape[0];
+    int64_t k = trans_a ? a->shape[0] : a->shape[1];
+    int64_t n = trans_b ? b->shape[0] : b->shape[1];
+    dim_rule b_rule_nt[] = {RULE_EQ(k), RULE_ANY}, b_rule_t[] = {RULE_ANY, RULE_EQ(k)};
+    if (check_shape(call, b, trans_b ? b_rule_t : b_rule_nt) < 0)
+        return NULL;
+    if (c == NULL) {
+        c = new_zeros(call, "C", NPY_FLOAT, 2, (int64_t[]){m, n});
+        if (c == NULL)
+            return NULL;
+    } else if (check_shape(call, c, (dim_rule[]){RULE_EQ(m), RULE_EQ(n)}) < 0) {
+        return NULL;
+    }
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->gemm(call->backend, trans_a, trans_b, m, n, k,
+                                                     alpha, a->device, operand_ld(a), b->device,
+                                                     operand_ld(b), beta, c->device,
+                                                     operand_ld(c), &call->err));
+    return finish_op(call, status, c);
+}
+
+static PyObject *run_linear(op_call *call) {
+    static const char *const keys[] = {"act", "beta", NULL};
+    mc_act act;
+    float beta;
+    operand *x, *w, *bias, *y;
+    if (check_param_keys(call, keys) < 0 || param_act(call, "act", 0, &act) < 0 ||
+        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 4) < 0)
+        return NULL;
+    if (beta != 0.0f && beta != 1.0f)
+        return raise_value(call, "param 'beta' must be 0 or 1");
+    if (beta == 1.0f && act != MC_ACT_NONE)
+        return raise_value(call, "param 'act' must be 'none' when beta == 1");
+    if (fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
+        fetch_array(call, 1, "W", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
+        fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0 ||
+        fetch_array(call, 3, "y", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &y) < 0)
+        return NULL;
+    int64_t rows = x->shape[0], in = x->shape[1], out = w->shape[0];
+    if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(in)}) < 0 ||
+        (bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(out)}) < 0))
+        return NULL;
+    if (y == NULL) {
+        y = new_zeros(call, "y", NPY_FLOAT, 2, (int64_t[]){rows, out});
+        if (y == NULL)
+            return NULL;
+    } else if (check_shape(call, y, (dim_rule[]){RULE_EQ(rows), RULE_EQ(out)}) < 0) {
+        return NULL;
+    }
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->linear(
+                                call->backend, x->device, operand_ld(x), rows, in, w->device,
+                                bias != NULL ? bias->device : NULL, out, act, beta, y->device,
+                                operand_ld(y), &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_layernorm(op_call *call) {
+    static const char *const keys[] = {"eps", "inplace", NULL};
+    float eps;
+    int inplace;
+    operand *x, *w, *b, *shift, *scale, *y;
+    if (check_param_keys(call, keys) < 0 || param_float(call, "eps", 1, 0.0f, &eps) < 0 ||
+        param_bool(call, "inplace", 0, &inplace) < 0 || check_arity(call, 1, 5) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
+        fetch_array(call, 1, "w", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &w) < 0 ||
+        fetch_array(call, 2, "b", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &b) < 0 ||
+        fetch_array(call, 3, "shift", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &shift) < 0 ||
+        fetch_array(call, 4, "scale", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &scale) < 0)
+        return NULL;
+    if (eps <= 0.0f)
+        return raise_value(call, "param 'eps' must be positive");
+    if (b != NULL && w == NULL)
+        return raise_value(call, "argument 'b' needs argument 'w'");
+    if ((shift == NULL) != (scale == NULL))
+        return raise_value(call, "arguments 'shift' and 'scale' come together");
+    int64_t rows = x->shape[0], dim = x->shape[1];
+    dim_rule vec[] = {RULE_EQ(dim)}, mod[] = {RULE_EQ(rows), RULE_EQ(dim)};
+    if ((w != NULL && check_shape(call, w, vec) < 0) ||
+        (b != NULL && check_shape(call, b, vec) < 0) ||
+        (shift != NULL && check_shape(call, shift, mod) < 0) ||
+        (scale != NULL && check_shape(call, scale, mod) < 0))
+        return NULL;
+    /* shift and scale share ld_mod. */
+    if (shift != NULL && operand_ld(shift) != operand_ld(scale) &&
+        (make_contiguous(call, shift) < 0 || make_contiguous(call, scale) < 0))
+        return NULL;
+    y = x;
+    if (!inplace && (y = new_zeros(call, "y", NPY_FLOAT, 2, (int64_t[]){rows, dim})) == NULL)
+        return NULL;
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->layernorm(
+                                call->backend, x->device, operand_ld(x), rows, dim,
+                                w != NULL ? w->device : NULL, b != NULL ? b->device : NULL, eps,
+                                shift != NULL ? shift->device : NULL,
+                                scale != NULL ? scale->device : NULL,
+                                shift != NULL ? operand_ld(shift) : dim, y->device, operand_ld(y),
+                                &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_activation(op_call *call) {
+    static const char *const keys[] = {"act", NULL};
+    mc_act act;
+    operand *x;
+    if (check_param_keys(call, keys) < 0 || param_act(call, "act", 1, &act) < 0 ||
+        check_arity(call, 1, 1) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->activation(call->backend, act, x->device,
+                                                           operand_ld(x), x->shape[0],
+                                                           x->shape[1], &call->err));
+    return finish_op(call, status, x);
+}
+
+static PyObject *run_add_rows(op_call *call) {
+    static const char *const keys[] = {"period", NULL};
+    operand *y, *v;
+    long long period;
+    if (check_param_keys(call, keys) < 0 || check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "y", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &y) < 0 ||
+        fetch_array(call, 1, "v", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &v) < 0 ||
+        check_shape(call, v, (dim_rule[]){RULE_GE(1), RULE_EQ(y->shape[1])}) < 0 ||
+        param_integer(call, "period", 0, v->shape[0], 1, v->shape[0], &period) < 0 ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->add_rows(call->backend, y->device, operand_ld(y),
+                                                         y->shape[0], y->shape[1], v->device,
+                                                         operand_ld(v), period, &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_gated_add(op_call *call) {
+    static const char *const keys[] = {NULL};
+    operand *y, *u, *gate;
+    if (check_param_keys(call, keys) < 0 || check_arity(call, 3, 3) < 0 ||
+        fetch_array(call, 0, "y", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &y) < 0 ||
+        fetch_array(call, 1, "u", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &u) < 0 ||
+        fetch_array(call, 2, "gate", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &gate) < 0)
+        return NULL;
+    dim_rule same[] = {RULE_EQ(y->shape[0]), RULE_EQ(y->shape[1])};
+    if (check_shape(call, u, same) < 0 || check_shape(call, gate, same) < 0 ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->gated_add(
+                                call->backend, y->device, operand_ld(y), u->device, operand_ld(u),
+                                gate->device, operand_ld(gate), y->shape[0], y->shape[1],
+                                &call->err));
+    return finish_op(call, status, y);
+}
+
+/* Every index in [0, limit); with `distinct`, no index twice. */
+static int check_indices(op_call *call, const operand *idx, int64_t limit, int distinct) {
+    const int32_t *values = PyArray_DATA(idx->host);
+    unsigned char *seen = NULL;
+    if (distinct && limit > 0 && (seen = PyMem_Calloc((size_t)limit, 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int result = 0;
+    for (int64_t i = 0; i < idx->shape[0] && result == 0; i++) {
+        int32_t v = values[i];
+        if (v < 0 || v >= limit) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument 'idx': idx[%lld] = %d is outside [0, %lld)", call->op_name,
+                         (long long)i, (int)v, (long long)limit);
+            result = -1;
+        } else if (seen != NULL && seen[v]) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument 'idx': index %d appears twice (the order of the writes is "
+                         "not defined)",
+                         call->op_name, (int)v);
+            result = -1;
+        } else if (seen != NULL) {
+            seen[v] = 1;
+        }
+    }
+    PyMem_Free(seen);
+    return result;
+}
+
+static PyObject *run_gather_rows(op_call *call) {
+    static const char *const keys[] = {NULL};
+    operand *src, *idx, *dst;
+    if (check_param_keys(call, keys) < 0 || check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "src", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &src) < 0 ||
+        fetch_array(call, 1, "idx", NPY_INT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &idx) < 0 ||
+        check_indices(call, idx, src->shape[0], 0) < 0)
+        return NULL;
+    int64_t rows = idx->shape[0], dim = src->shape[1];
+    if ((dst = new_zeros(call, "dst", NPY_FLOAT, 2, (int64_t[]){rows, dim})) == NULL ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->gather_rows(call->backend, src->device,
+                                                            operand_ld(src), idx->device, rows,
+                                                            dim, dst->device, operand_ld(dst),
+                                                            &call->err));
+    return finish_op(call, status, dst);
+}
+
+static PyObject *run_scatter_rows(op_call *call) {
+    static const char *const keys[] = {NULL};
+    operand *src, *idx, *dst;
+    if (check_param_keys(call, keys) < 0 || check_arity(call, 3, 3) < 0 ||
+        fetch_array(call, 0, "src", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &src) < 0 ||
+        fetch_array(call, 1, "idx", NPY_INT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &idx) < 0 ||
+        fetch_array(call, 2, "dst", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &dst) < 0 ||
+        check_shape(call, idx, (dim_rule[]){RULE_EQ(src->shape[0])}) < 0 ||
+        check_shape(call, dst, (dim_rule[]){RULE_ANY, RULE_EQ(src->shape[1])}) < 0 ||
+        check_indices(call, idx, dst->shape[0], 1) < 0 || upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->scatter_rows(
+                                call->backend, src->device, operand_ld(src), idx->device,
+                                src->shape[0], src->shape[1], dst->device, operand_ld(dst),
+                                &call->err));
+    return finish_op(call, status, dst);
+}
+
+static PyObject *run_attention(op_call *call) {
+    static const char *const keys[] = {"heads", "scale", NULL};
+    static const char *const k_names[] = {"k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"};
+    static const char *const v_names[] = {"v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8"};
+    const int max_segments = (int)(sizeof k_names / sizeof k_names[0]);
+    Py_ssize_t n_inputs = PyTuple_GET_SIZE(call->inputs);
+    long long heads;
+    double scale;
+    operand *q, *out;
+    if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "heads", 1, 0, 1, INT_MAX_LL, &heads) < 0)
+        return NULL;
+    if (n_inputs < 3 || n_inputs % 2 == 0 || (n_inputs - 1) / 2 > max_segments) {
+        PyErr_Format(PyExc_ValueError,
+                     "attention: expected inputs (q, k1, v1, ..., kS, vS) with 1 <= S <= %d, got "
+                     "%zd inputs",
+                     max_segments, n_inputs);
+        return NULL;
+    }
+    if (fetch_array(call, 0, "q", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED, &q) < 0)
+        return NULL;
+    int64_t batch = q->shape[0], nq = q->shape[1], width = q->shape[2];
+    if (width % heads != 0 || width / heads == 0 || width / heads > INT_MAX_LL) {
+        PyErr_Format(PyExc_ValueError,
+                     "attention: argument 'q': width %lld is not a positive multiple of heads = "
+                     "%lld",
+                     (long long)width, heads);
+        return NULL;
+    }
+    int head_dim = (int)(width / heads);
+    if (param_double(call, "scale", 0, 1.0 / sqrt((double)head_dim), &scale) < 0)
+        return NULL;
+    int nsegs = (int)((n_inputs - 1) / 2);
+    mc_kv_segment *segs = PyMem_Calloc((size_t)nsegs, sizeof *segs);
+    if (segs == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    call->segments = segs;
+    operand *keys_of[8], *values_of[8];
+    int64_t total_keys = 0;
+    for (int s = 0; s < nsegs; s++) {
+        operand *k, *v;
+        if (fetch_array(call, 1 + 2 * s, k_names[s], NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED,
+                        &k) < 0 ||
+            fetch_array(call, 2 + 2 * s, v_names[s], NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED,
+                        &v) < 0 ||
+            check_shape(call, k, (dim_rule[]){RULE_EQ(batch), RULE_ANY, RULE_EQ(width)}) < 0 ||
+            check_shape(call, v,
+                        (dim_rule[]){RULE_EQ(batch), RULE_EQ(k->shape[1]), RULE_EQ(width)}) < 0)
+            return NULL;
+        /* A segment has one ld and one batch stride for k and v. */
+        if ((operand_ld(k) != operand_ld(v) ||
+             operand_batch_stride(k) != operand_batch_stride(v)) &&
+            (make_contiguous(call, k) < 0 || make_contiguous(call, v) < 0))
+            return NULL;
+        keys_of[s] = k;
+        values_of[s] = v;
+        total_keys += k->shape[1];
+    }
+    if (total_keys == 0)
+        return raise_value(call, "the segments hold no keys (every k has 0 rows)");
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 3, (int64_t[]){batch, nq, width})) == NULL ||
+        upload_all(call) < 0)
+        return NULL;
+    for (int s = 0; s < nsegs; s++) {
+        segs[s].k = keys_of[s]->device;
+        segs[s].v = values_of[s]->device;
+        segs[s].rows = keys_of[s]->shape[1];
+        segs[s].ld = operand_ld(keys_of[s]);
+        segs[s].batch_stride = operand_batch_stride(keys_of[s]);
+    }
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->attention(
+                                call->backend, batch, nq, (int)heads, head_dim, (float)scale,
+                                q->device, operand_ld(q), operand_batch_stride(q), segs, nsegs,
+                                out->device, operand_ld(out), operand_batch_stride(out),
+                                &call->err));
+    return finish_op(call, status, out);
+}
+
+static PyObject *run_groupnorm(op_call *call) {
+    static const char *const keys[] = {"groups", "eps", "swish", "inplace", NULL};
+    long long groups;
+    float eps;
+    int swish, inplace;
+    operand *x, *w, *b, *y;
+    if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "groups", 1, 0, 1, INT_MAX_LL, &groups) < 0 ||
+        param_float(call, "eps", 1, 0.0f, &eps) < 0 || param_bool(call, "swish", 0, &swish) < 0 ||
+        param_bool(call, "inplace", 0, &inplace) < 0 || check_arity(call, 3, 3) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
+        fetch_array(call, 1, "w", NPY_FLOAT, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
+        fetch_array(call, 2, "b", NPY_FLOAT, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &b) < 0)
+        return NULL;
+    int64_t channels = x->shape[2];
+    if (eps <= 0.0f)
+        return raise_value(call, "param 'eps' must be positive");
+    if (channels % groups != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "groupnorm: param 'groups' = %lld does not divide %lld channels",
+                     groups, (long long)channels);
+        return NULL;
+    }
+    if (check_shape(call, w, (dim_rule[]){RULE_EQ(channels)}) < 0 ||
+        check_shape(call, b, (dim_rule[]){RULE_EQ(channels)}) < 0)
+        return NULL;
+    y = x;
+    if (!inplace && (y = new_zeros(call, "y", NPY_FLOAT, 3, x->shape)) == NULL)
+        return NULL;
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->groupnorm(
+                                call->backend, x->device, x->shape[0], x->shape[1], channels,
+                                (int)groups, w->device, b->device, eps, swish, y->device,
+                                &call->err));
+    return finish_op(call, status, y);
+}
+
+/* PyTorch's [cout, cin, k, k] as a C-order [cout, k, k, cin] array (new ref). */
+static PyArrayObject *repack_conv_weight(PyArrayObject *w) {
+    npy_intp order[4] = {0, 2, 3, 1};
+    PyArray_Dims permutation = {order, 4};
+    PyObject *view = PyArray_Transpose(w, &permutation);
+    if (view == NULL)
+        return NULL;
+    PyObject *packed = PyArray_NewCopy((PyArrayObject *)view, NPY_CORDER);
+    Py_DECREF(view);
+    return (PyArrayObject *)packed;
+}
+
+static PyObject *run_conv2d(op_call *call) {
+    static const char *const keys[] = {"beta", NULL};
+    float beta;
+    operand *x, *w, *bias, *y;
+    if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
+        check_arity(call, 2, 4) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
+        fetch_array(call, 1, "w", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
+        fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0 ||
+        fetch_array(call, 3, "y", NPY_FLOAT, 4, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &y) < 0)
+        return NULL;
+    int64_t batch = x->shape[0], height = x->shape[1], width = x->shape[2], cin = x->shape[3];
+    int64_t cout = w->shape[0], ksize = w->shape[2];
+    if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(cin), RULE_ANY, RULE_EQ(ksize)}) < 0)
+        return NULL;
+    if (ksize % 2 == 0 || ksize > INT_MAX_LL) {
+        PyErr_Format(PyExc_ValueError,
+                     "conv2d: argument 'w': kernel size %lld must be odd (padding k // 2 keeps "
+                     "the size)",
+                     (long long)ksize);
+        return NULL;
+    }
+    if ((bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(cout)}) < 0))
+        return NULL;
+    int64_t out_shape[4] = {batch, height, width, cout};
+    if (y == NULL) {
+        if ((y = new_zeros(call, "y", NPY_FLOAT, 4, out_shape)) == NULL)
+            return NULL;
+    } else if (check_shape(call, y,
+                           (dim_rule[]){RULE_EQ(batch), RULE_EQ(height), RULE_EQ(width),
+                                        RULE_EQ(cout)}) < 0) {
+        return NULL;
+    }
+    PyArrayObject *packed = repack_conv_weight(w->host);
+    if (packed == NULL)
+        return NULL;
+    Py_DECREF(w->host);
+    w->host = packed;
+    if (!describe_layout(w, packed, 0)) {
+        PyErr_SetString(PyExc_RuntimeError, "conv2d: cannot lay out the repacked weight");
+        return NULL;
+    }
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->conv2d(
+                                call->backend, x->device, batch, height, width, cin, w->device,
+                                bias != NULL ? bias->device : NULL, cout, (int)ksize, beta,
+                                y->device, &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_upsample_nearest2x(op_call *call) {
+    static const char *const keys[] = {NULL};
+    operand *x, *y;
+    if (check_param_keys(call, keys) < 0 || check_arity(call, 1, 1) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0)
+        return NULL;
+    int64_t out_shape[4] = {x->shape[0], 2 * x->shape[1], 2 * x->shape[2], x->shape[3]};
+    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, out_shape)) == NULL || upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->upsample_nearest2x(
+                                call->backend, x->device, x->shape[0], x->shape[1], x->shape[2],
+                                x->shape[3], y->device, &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_cfg_combine(op_call *call) {
+    static const char *const keys[] = {"scale", "channels", NULL};
+    float scale;
+    long long channels;
+    operand *cond, *uncond, *out;
+    if (check_param_keys(call, keys) < 0 || param_float(call, "scale", 1, 0.0f, &scale) < 0 ||
+        check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "cond", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &cond) < 0 ||
+        fetch_array(call, 1, "uncond", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &uncond) < 0 ||
+        param_integer(call, "channels", 0, cond->shape[1], 1,
+                      cond->shape[1] < INT_MAX_LL ? cond->shape[1] : INT_MAX_LL, &channels) < 0 ||
+        check_shape(call, uncond, (dim_rule[]){RULE_EQ(cond->shape[0]), RULE_GE(channels)}) < 0)
+        return NULL;
+    int64_t rows = cond->shape[0];
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){rows, channels})) == NULL ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->cfg_combine(
+                                call->backend, cond->device, operand_ld(cond), uncond->device,
+                                operand_ld(uncond), rows, (int)channels, scale, out->device,
+                                operand_ld(out), &call->err));
+    return finish_op(call, status, out);
+}
+
+static PyObject *run_ddpm_step(op_call *call) {
+    static const char *const keys[] = {"sqrt_recip_alphas_cumprod",
+                                       "sqrt_recipm1_alphas_cumprod",
+                                       "posterior_mean_coef1",
+                                       "posterior_mean_coef2",
+                                       "log_beta",
+                                       "posterior_log_variance",
+                                       "noise_scale",
+                                       NULL};
+    mc_ddpm_coefs coefs;
+    operand *x, *eps, *v, *noise;
+    if (check_param_keys(call, keys) < 0 ||
+        param_float(call, keys[0], 1, 0.0f, &coefs.sqrt_recip_alphas_cumprod) < 0 ||
+        param_float(call, keys[1], 1, 0.0f, &coefs.sqrt_recipm1_alphas_cumprod) < 0 ||
+        param_float(call, keys[2], 1, 0.0f, &coefs.posterior_mean_coef1) < 0 ||
+        param_float(call, keys[3], 1, 0.0f, &coefs.posterior_mean_coef2) < 0 ||
+        param_float(call, keys[4], 1, 0.0f, &coefs.log_beta) < 0 ||
+        param_float(call, keys[5], 1, 0.0f, &coefs.posterior_log_variance) < 0 ||
+        param_float(call, keys[6], 1, 0.0f, &coefs.noise_scale) < 0 ||
+        check_arity(call, 3, 4) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
+        fetch_array(call, 1, "eps", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &eps) < 0 ||
+        fetch_array(call, 2, "v", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &v) < 0 ||
+        fetch_array(call, 3, "noise", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &noise) < 0)
+        return NULL;
+    int64_t rows = x->shape[0], channels = x->shape[1];
+    if (channels > INT_MAX_LL)
+        return raise_value(call, "argument 'x': too many channels");
+    dim_rule head_out[] = {RULE_EQ(rows), RULE_GE(channels)};
+    if (check_shape(call, eps, head_out) < 0 || check_shape(call, v, head_out) < 0 ||
+        (noise != NULL &&
+         check_shape(call, noise, (dim_rule[]){RULE_EQ(rows), RULE_EQ(channels)}) < 0))
+        return NULL;
+    if (noise == NULL && coefs.noise_scale != 0.0f)
+        return raise_value(call, "argument 'noise' is required when noise_scale != 0");
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->ddpm_step(
+                                call->backend, x->device, rows, (int)channels, eps->device,
+                                operand_ld(eps), v->device, operand_ld(v),
+                                noise != NULL ? noise->device : NULL, &coefs, &call->err));
+    return finish_op(call, status, x);
+}
+
+static PyObject *run_token_normals(op_call *call) {
+    static const char *const keys[] = {"seed", "stream", "step", "channels", NULL};
+    uint64_t seed;
+    long long stream, step, channels;
+    operand *image, *position, *out;
+    if (check_param_keys(call, keys) < 0 || param_u64(call, "seed", &seed) < 0 ||
+        param_integer(call, "stream", 1, 0, 0, 0xffff, &stream) < 0 ||
+        param_integer(call, "step", 1, 0, 0, 0xffff, &step) < 0 ||
+        param_integer(call, "channels", 1, 0, 1, 64, &channels) < 0 ||
+        check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "image", NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &image) <
+            0 ||
+        fetch_array(call, 1, "position", NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS,
+                    &position) < 0 ||
+        check_shape(call, position, (dim_rule[]){RULE_EQ(image->shape[0])}) < 0)
+        return NULL;
+    int64_t rows = image->shape[0];
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){rows, channels})) == NULL ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->token_normals(
+                                call->backend, seed, (uint32_t)stream, (uint32_t)step,
+                                image->device, position->device, rows, (int)channels,
+                                out->device, &call->err));
+    return finish_op(call, status, out);
+}
+
+/* ------------------------------------------------------------------------
+ * The op table: name, binding, and whether a backend fills the entry. */
+
+#define OP_PRESENCE(field) \
+    static int has_##field(const mc_ops *ops) { return ops->field != NULL; }
+OP_PRESENCE(gemm)
+OP_PRESENCE(linear)
+OP_PRESENCE(layernorm)
+OP_PRESENCE(activation)
+OP_PRESENCE(add_rows)
+OP_PRESENCE(gated_add)
+OP_PRESENCE(gather_rows)
+OP_PRESENCE(scatter_rows)
+OP_PRESENCE(attention)
+OP_PRESENCE(groupnorm)
+OP_PRESENCE(conv2d)
+OP_PRESENCE(upsample_nearest2x)
+OP_PRESENCE(cfg_combine)
+OP_PRESENCE(ddpm_step)
+OP_PRESENCE(token_normals)
+
+typedef struct op_entry {
+    const char *name;
+    PyObject *(*run)(op_call *call);
+    int (*present)(const mc_ops *ops);
+} op_entry;
+
+#define OP_ENTRY(field) {#field, run_##field, has_##field}
+
+static const op_entry op_table[] = {
+    OP_ENTRY(gemm),          OP_ENTRY(linear),      OP_ENTRY(layernorm),
+    OP_ENTRY(activation),    OP_ENTRY(add_rows),    OP_ENTRY(gated_add),
+    OP_ENTRY(gather_rows),   OP_ENTRY(scatter_rows), OP_ENTRY(attention),
+    OP_ENTRY(groupnorm),     OP_ENTRY(conv2d),      OP_ENTRY(upsample_nearest2x),
+    OP_ENTRY(cfg_combine),   OP_ENTRY(ddpm_step),   OP_ENTRY(token_normals),
+};
+
+#define OP_COUNT ((int)(sizeof op_table / sizeof op_table[0]))
+
+static PyObject *name_list(const char *const *names, int count) {
+    PyObject *list = PyList_New(count);
+    if (list == NULL)
+        return NULL;
+    for (int i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, name);
+    }
+    return list;
+}
+
+static PyObject *py_backends(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    const char *names[BACKEND_COUNT];
+    for (int i = 0; i < BACKEND_COUNT; i++)
+        names[i] = backend_table[i].name;
+    return name_list(names, BACKEND_COUNT);
+}
+
+static PyObject *py_op_names(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    const char *names[OP_COUNT];
+    for (int i = 0; i < OP_COUNT; i++)
+        names[i] = op_table[i].name;
+    return name_list(names, OP_COUNT);
+}
+
+static PyObject *unknown_name(const char *what, const char *given, const char *const *valid,
+                              int count) {
+    char list[512];
+    size_t used = 0;
+    list[0] = '\0';
+    for (int i = 0; i < count && used < sizeof list; i++)
+        used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "", valid[i]);
+    PyErr_Format(PyExc_ValueError, "unknown %s '%s'; valid %ss: %s", what, given, what, list);
+    return NULL;
+}
+
+static PyObject *py_run_op(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *backend_name, *op_name;
+    PyObject *inputs, *params;
+    if (!PyArg_ParseTuple(args, "ssO!O!:run_op", &backend_name, &op_name, &PyTuple_Type, &inputs,
+                          &PyDict_Type, &params))
+        return NULL;
+    const op_entry *op = NULL;
+    for (int i = 0; i < OP_COUNT && op == NULL; i++)
+        if (strcmp(op_table[i].name, op_name) == 0)
+            op = &op_table[i];
+    if (op == NULL) {
+        const char *names[OP_COUNT];
+        for (int i = 0; i < OP_COUNT; i++)
+            names[i] = op_table[i].name;
+        return unknown_name("op", op_name, names, OP_COUNT);
+    }
+    const backend_entry *backend = NULL;
+    for (int i = 0; i < BACKEND_COUNT && backend == NULL; i++)
+        if (strcmp(backend_table[i].name, backend_name) == 0)
+            backend = &backend_table[i];
+    if (backend == NULL) {
+        const char *names[BACKEND_COUNT];
+        for (int i = 0; i < BACKEND_COUNT; i++)
+            names[i] = backend_table[i].name;
+        return unknown_name("backend", backend_name, names, BACKEND_COUNT);
+    }
+
+    op_call call;
+    memset(&call, 0, sizeof call);
+    call.op_name = op->name;
+    call.inputs = inputs;
+    call.params = params;
+    /* Inputs, plus one binding-made output. */
+    call.operand_capacity = (int)PyTuple_GET_SIZE(inputs) + 1;
+    call.operands = PyMem_Calloc((size_t)call.operand_capacity, sizeof(operand));
+    if (call.operands == NULL)
+        return PyErr_NoMemory();
+    if (backend->create(&call.backend, &call.err) != MC_OK) {
+        PyMem_Free(call.operands);
+        return mcpy_raise(&call.err);
+    }
+    PyObject *result;
+    if (!op->present(call.backend->ops))
+        result = PyErr_Format(PyExc_NotImplementedError, "op %s is not implemented on backend %s",
+                              op->name, backend->name);
+    else
+        result = op->run(&call);
+    release_call(&call);
+    return result;
+}
+
+static PyMethodDef ops_methods[] = {
+    {"backends", py_backends, METH_NOARGS, "backends() -> names of the backends built in."},
+    {"op_names", py_op_names, METH_NOARGS, "op_names() -> every op of the backend op table."},
+    {"run_op", py_run_op, METH_VARARGS,
+     "run_op(backend, name, inputs: tuple, params: dict) -> numpy.ndarray\n\n"
+     "Runs one backend op on host arrays (conventions at the top of py_ops.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int mcpy_ops_init(PyObject *module) { return PyModule_AddFunctions(module, ops_methods); }

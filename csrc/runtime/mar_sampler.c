@@ -1,0 +1,299 @@
+/* MAR sampling: the AR loop of mar.md 7.2 and the head sampler of 6.5.
+ * Randomness comes only from core/philox, keyed by (image index, token
+ * position), so an image is the same in any batch and on any backend. */
+#include "mar_sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../core/philox.h"
+
+enum {
+    WS_TOKENS = MC_MAR_WS_FIRST_FREE, WS_CLASS, WS_Z, WS_COND_EMB, WS_STATE, WS_HEAD_OUT, WS_EPS,
+    WS_NOISE
+};
+enum { WSI_IMAGES = MC_MAR_WSI_FIRST_FREE, WSI_POSITIONS, WSI_SCATTER };
+
+int64_t mc_mask_len_after(int64_t seq_len, int64_t masked_before, int step, int num_steps) {
+    /* Same operation order as the reference: np.cos(math.pi / 2. * (step + 1) / num_iter). */
+    double ratio = cos(3.14159265358979323846 / 2.0 * (double)(step + 1) / (double)num_steps);
+    double mask_len = floor((double)seq_len * ratio);
+    double upper = (double)(masked_before - 1);
+    if (mask_len > upper)
+        mask_len = upper;
+    if (mask_len < 1.0)
+        mask_len = 1.0;
+    return (int64_t)mask_len;
+}
+
+float mc_cfg_at(double cfg, mc_cfg_schedule schedule, int64_t mask_len, int64_t seq_len) {
+    if (schedule == MC_CFG_CONSTANT)
+        return (float)cfg;
+    /* 1 + (cfg - 1) * (seq_len - mask_len) / seq_len on float32 tensors. */
+    float known_after = (float)(seq_len - mask_len);
+    float scaled = (float)(cfg - 1.0) * known_after;
+    return 1.0f + scaled / (float)seq_len;
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static double block_flops(int64_t rows, int64_t seq_rows, int64_t n_seq, int64_t width, int64_t hidden) {
+    double r = (double)rows, x = (double)width;
+    double dense = 2.0 * r * x * 3.0 * x + 2.0 * r * x * x + 2.0 * 2.0 * r * x * (double)hidden;
+    double attention = (double)n_seq * 4.0 * (double)seq_rows * (double)seq_rows * x;
+    return dense + attention;
+}
+
+double mc_mar_step_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known, int64_t n_head,
+                         int cfg_on, int64_t diffusion_steps) {
+    if (n_head == 0)
+        return 0.0;
+    const int64_t P = c->buffer_size, L = P + c->seq_len, enc_len = P + n_known;
+    const double D = (double)c->width, Dd = (double)c->dec_width, W = (double)c->head_width;
+    const double C = (double)c->token_channels;
+    double f = 2.0 * (double)(n_seq * n_known) * C * D;
+    f += (double)c->enc_depth * block_flops(n_seq * enc_len, enc_len, n_seq, c->width, c->mlp_hidden);
+    f += 2.0 * (double)(n_seq * enc_len) * D * Dd;
+    f += (double)c->dec_depth * block_flops(n_seq * L, L, n_seq, c->dec_width, c->dec_mlp_hidden);
+    const double rows = (double)(cfg_on ? 2 * n_head : n_head);
+    f += 2.0 * rows * Dd * W; /* cond_embed, once per AR step */
+    double per_eval = 2.0 * (double)n_head * C * W;                       /* input_proj, live half */
+    per_eval += (double)c->head_depth * rows * (2.0 * W * 3.0 * W + 2.0 * 2.0 * W * W);
+    per_eval += rows * (2.0 * W * 2.0 * W + 2.0 * W * 2.0 * C);          /* final adaLN + linear */
+    return f + (double)diffusion_steps * per_eval;
+}
+
+mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
+                             int cfg_on, float cfg, double temperature, uint64_t seed,
+                             const uint32_t *images, const uint32_t *positions, float *x_out,
+                             mc_err *err) {
+    mc_backend *be = mar->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t C = mar->config.token_channels, W = mar->config.head_width;
+    const int64_t rows = cfg_on ? 2 * n : n;
+    if (n == 0)
+        return MC_OK;
+    float *c_emb = mc_mar_ws(mar, WS_COND_EMB, (size_t)(rows * W), err);
+    float *state = mc_mar_ws(mar, WS_STATE, (size_t)(n * C), err);
+    float *out = mc_mar_ws(mar, WS_HEAD_OUT, (size_t)(rows * 2 * C), err);
+    float *eps = mc_mar_ws(mar, WS_EPS, (size_t)(n * C), err);
+    float *noise = mc_mar_ws(mar, WS_NOISE, (size_t)(n * C), err);
+    uint32_t *d_images = (uint32_t *)mc_mar_ws_index(mar, WSI_IMAGES, (size_t)n, err);
+    uint32_t *d_positions = (uint32_t *)mc_mar_ws_index(mar, WSI_POSITIONS, (size_t)n, err);
+    if (!c_emb || !state || !out || !eps || !noise || !d_images || !d_positions)
+        return err->status;
+    MC_TRY(ops->upload(be, d_images, images, (size_t)n * sizeof(uint32_t), err));
+    MC_TRY(ops->upload(be, d_positions, positions, (size_t)n * sizeof(uint32_t), err));
+
+    MC_TRY(mc_mar_head_cond(mar, z, rows, c_emb, err));
+    /* Initial noise is not scaled by temperature (mar.md 6.5). */
+    MC_TRY(ops->token_normals(be, seed, MC_STREAM_HEAD_INIT, 0, d_images, d_positions, n, (int)C,
+                              state, err));
+    for (int j = diffusion->n_steps - 1; j >= 0; j--) {
+        MC_TRY(mc_mar_head_forward(mar, state, rows, cfg_on, c_emb, j, out, err));
+        const float *eps_used = out;
+        int64_t ld_eps = 2 * C;
+        if (cfg_on) {
+            MC_TRY(ops->cfg_combine(be, out, 2 * C, out + n * 2 * C, 2 * C, n, (int)C, cfg, eps, C, err));
+            eps_used = eps;
+            ld_eps = C;
+        }
+        float noise_scale = j > 0 ? (float)temperature : 0.0f;
+        if (j > 0)
+            MC_TRY(ops->token_normals(be, seed, MC_STREAM_HEAD_STEP, (uint32_t)j, d_images,
+                                      d_positions, n, (int)C, noise, err));
+        mc_ddpm_coefs coefs = mc_diffusion_coefs(diffusion, j, noise_scale);
+        MC_TRY(ops->ddpm_step(be, state, n, (int)C, eps_used, ld_eps, out + C, 2 * C,
+                              j > 0 ? noise : NULL, &coefs, err));
+    }
+    if (x_out == NULL)
+        return MC_OK;
+    return ops->download(be, x_out, state, (size_t)(n * C) * sizeof(float), err);
+}
+
+static int compare_int32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct generate_state {
+    int32_t *orders;     /* [B, S] generation order per image */
+    uint8_t *masked;     /* [B, S] 1 = unknown */
+    int32_t *known_pos;  /* [B', S] */
+    int32_t *pred_pos;   /* [B, S] */
+    int32_t *out_rows;   /* [B' * S] */
+    int32_t *class_ids;  /* [B'] */
+    uint32_t *images;    /* [B * S] */
+    uint32_t *positions; /* [B * S] */
+    int32_t *scatter;    /* [B' * S] */
+    float *zeros;        /* [S, C] */
+} generate_state;
+
+static void free_state(generate_state *g) {
+    free(g->orders);
+    free(g->masked);
+    free(g->known_pos);
+    free(g->pred_pos);
+    free(g->out_rows);
+    free(g->class_ids);
+    free(g->images);
+    free(g->positions);
+    free(g->scatter);
+    free(g->zeros);
+}
+
+mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
+                          const mc_mar_generate_args *args, float *tokens_out,
+                          mc_step_info *steps_out, mc_err *err) {
+    mc_backend *be = mar->backend;
+    const mc_ops *ops = be->ops;
+    const mc_mar_config *c = &mar->config;
+    const int64_t B = args->n_images, S = c->seq_len, C = c->token_channels;
+    const int64_t D = c->width, Dd = c->dec_width;
+    const int cfg_on = args->cfg != 1.0;
+    const int64_t Bp = cfg_on ? 2 * B : B;
+    if (B <= 0)
+        return mc_fail(err, MC_ERR_VALUE, "n_images must be positive");
+    if (args->num_steps < 1)
+        return mc_fail(err, MC_ERR_VALUE, "steps must be >= 1, got %d", args->num_steps);
+    if (S > MC_PHILOX_ORDER_MAX)
+        return mc_fail(err, MC_ERR_VALUE, "seq_len %lld exceeds %d", (long long)S, MC_PHILOX_ORDER_MAX);
+
+    generate_state g = {0};
+    g.orders = malloc((size_t)(B * S) * sizeof(int32_t));
+    g.masked = malloc((size_t)(B * S));
+    g.known_pos = malloc((size_t)(Bp * S) * sizeof(int32_t));
+    g.pred_pos = malloc((size_t)(B * S) * sizeof(int32_t));
+    g.out_rows = malloc((size_t)(Bp * S) * sizeof(int32_t));
+    g.class_ids = malloc((size_t)Bp * sizeof(int32_t));
+    g.images = malloc((size_t)(B * S) * sizeof(uint32_t));
+    g.positions = malloc((size_t)(B * S) * sizeof(uint32_t));
+    g.scatter = malloc((size_t)(Bp * S) * sizeof(int32_t));
+    g.zeros = calloc((size_t)(S * C), sizeof(float));
+    if (!g.orders || !g.masked || !g.known_pos || !g.pred_pos || !g.out_rows || !g.class_ids ||
+        !g.images || !g.positions || !g.scatter || !g.zeros) {
+        free_state(&g);
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate sampler state for %lld images", (long long)B);
+    }
+    mc_status st = MC_OK;
+    float *tokens = mc_mar_ws(mar, WS_TOKENS, (size_t)(Bp * S * C), err);
+    float *class_vectors = mc_mar_ws(mar, WS_CLASS, (size_t)(Bp * D), err);
+    float *z = mc_mar_ws(mar, WS_Z, (size_t)(Bp * S * Dd), err);
+    if (!tokens || !class_vectors || !z) {
+        free_state(&g);
+        return err->status;
+    }
+    for (int64_t b = 0; b < Bp; b++) {
+        st = ops->upload(be, tokens + b * S * C, g.zeros, (size_t)(S * C) * sizeof(float), err);
+        if (st != MC_OK)
+            goto done;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        mc_philox_order(args->seed, args->first_index + (uint32_t)b, (int)S, g.orders + b * S);
+        g.class_ids[b] = args->labels ? args->labels[b] : -1;
+        if (cfg_on)
+            g.class_ids[B + b] = -1;
+    }
+    memset(g.masked, 1, (size_t)(B * S));
+    st = mc_mar_class_vectors(mar, g.class_ids, Bp, class_vectors, err);
+    if (st != MC_OK)
+        goto done;
+
+    int64_t masked_before = S;
+    for (int step = 0; step < args->num_steps; step++) {
+        double t0 = seconds_now();
+        const int last = step == args->num_steps - 1;
+        const int64_t mask_len = mc_mask_len_after(S, masked_before, step, args->num_steps);
+        const int64_t n_pred = last ? masked_before : masked_before - mask_len;
+        const int64_t K = S - masked_before;
+        const float cfg_iter = cfg_on ? mc_cfg_at(args->cfg, args->cfg_schedule, mask_len, S) : 1.0f;
+
+        /* Known tokens in raster order; predicted ones are the tail of the
+         * order that the schedule releases now, also sorted by position. */
+        for (int64_t b = 0; b < B; b++) {
+            int64_t k = 0;
+            for (int64_t p = 0; p < S; p++)
+                if (!g.masked[b * S + p])
+                    g.known_pos[b * K + k++] = (int32_t)p;
+            const int32_t *order = g.orders + b * S;
+            int32_t *pred = g.pred_pos + b * n_pred;
+            int64_t first = last ? 0 : mask_len;
+            for (int64_t i = 0; i < n_pred; i++)
+                pred[i] = order[first + i];
+            qsort(pred, (size_t)n_pred, sizeof(int32_t), compare_int32);
+        }
+        if (cfg_on)
+            memcpy(g.known_pos + B * K, g.known_pos, (size_t)(B * K) * sizeof(int32_t));
+        const int64_t n_head = B * n_pred;
+        for (int64_t i = 0; i < n_head; i++) {
+            int64_t b = i / (n_pred ? n_pred : 1);
+            g.out_rows[i] = (int32_t)(b * S + g.pred_pos[i]);
+            if (cfg_on)
+                g.out_rows[n_head + i] = (int32_t)((B + b) * S + g.pred_pos[i]);
+            g.images[i] = args->first_index + (uint32_t)b;
+            g.positions[i] = (uint32_t)g.pred_pos[i];
+        }
+
+        /* With more steps than tokens the clamp leaves steps that predict
+         * nothing (mar.md 7.5); their transformer pass would be wasted. */
+        if (n_head > 0) {
+            mc_mar_batch batch = {.n_seq = Bp, .n_known = K, .tokens = tokens,
+                                  .known_pos = g.known_pos, .class_vectors = class_vectors};
+            st = mc_mar_transformer(mar, &batch, g.out_rows, cfg_on ? 2 * n_head : n_head, z, err);
+            if (st == MC_OK)
+                st = mc_mar_head_sample(mar, diffusion, z, n_head, cfg_on, cfg_iter, args->temperature,
+                                        args->seed, g.images, g.positions, NULL, err);
+            if (st != MC_OK)
+                goto done;
+            /* The sampled tokens are still in the head's state slot (same
+             * size, so the same buffer): write them into every copy of the
+             * sequence without a host round trip. */
+            float *dev_sampled = mc_mar_ws(mar, WS_STATE, (size_t)(n_head * C), err);
+            int32_t *d_scatter = (int32_t *)mc_mar_ws_index(mar, WSI_SCATTER, (size_t)n_head, err);
+            if (!dev_sampled || !d_scatter) {
+                st = err->status;
+                goto done;
+            }
+            for (int copy = 0; copy < (cfg_on ? 2 : 1); copy++) {
+                for (int64_t i = 0; i < n_head; i++)
+                    g.scatter[i] = g.out_rows[i] + (int32_t)(copy * B * S);
+                st = ops->upload(be, d_scatter, g.scatter, (size_t)n_head * sizeof(int32_t), err);
+                if (st == MC_OK)
+                    st = ops->scatter_rows(be, dev_sampled, C, d_scatter, n_head, C, tokens, C, err);
+                if (st != MC_OK)
+                    goto done;
+            }
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < n_pred; i++)
+                g.masked[b * S + g.pred_pos[b * n_pred + i]] = 0;
+        masked_before = last ? 0 : mask_len;
+
+        mc_step_info info = {
+            .step = step, .num_steps = args->num_steps, .masked_before = masked_before + n_pred,
+            .predicted = n_pred, .cfg = cfg_iter,
+            .encoder_rows = n_head ? Bp * (c->buffer_size + K) : 0,
+            .decoder_rows = n_head ? Bp * (c->buffer_size + S) : 0,
+            .head_rows = n_head ? (cfg_on ? 2 * n_head : n_head) : 0,
+            .head_evaluations = n_head ? diffusion->n_steps : 0,
+            .flops = mc_mar_step_flops(c, Bp, K, n_head, cfg_on, diffusion->n_steps),
+            .seconds = seconds_now() - t0,
+        };
+        if (steps_out != NULL)
+            steps_out[step] = info;
+        if (args->on_step != NULL && args->on_step(args->callback_ctx, &info)) {
+            st = mc_fail(err, MC_ERR_INTERRUPTED, "generation interrupted after step %d", step);
+            goto done;
+        }
+    }
+    st = ops->download(be, tokens_out, tokens, (size_t)(B * S * C) * sizeof(float), err);
+done:
+    free_state(&g);
+    return st;
+}

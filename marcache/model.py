@@ -1,0 +1,226 @@
+"""The public model API: load(), MARModel.generate() and component entry points."""
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+from . import _C
+from .caches import resolve as _resolve_cache
+
+
+def _check_path(path, what):
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{what} path is a directory, expected a .safetensors file: {path}")
+    return path
+
+
+def _resolve_device(device):
+    backends = _C.backends() if hasattr(_C, "backends") else ["cpu"]
+    if device in ("cpu", "auto"):
+        return "cpu" if device == "cpu" or "cuda" not in backends else "cuda"
+    if isinstance(device, str) and device.startswith("cuda"):
+        if "cuda" not in backends:
+            raise ValueError(f"device={device!r}: this build of marcache has no CUDA backend "
+                             f"(available: {backends}); use device='cpu' or 'auto'")
+        return device
+    raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}")
+
+
+@dataclass
+class GenerationInfo:
+    """Telemetry of one generate call."""
+    steps: List[dict]
+    tokens: np.ndarray
+    seconds_transformer_and_head: float
+    seconds_decode: float
+    flops: float = field(default=0.0)
+
+    @property
+    def seconds(self):
+        return self.seconds_transformer_and_head + self.seconds_decode
+
+
+class MARModel:
+    """A loaded MAR model (and optionally its KL-16 VAE decoder).
+
+    Use marcache.load() to build one. Generation runs in C with the GIL
+    released; Ctrl-C stops it within one AR step and the model stays usable.
+    """
+
+    def __init__(self, mar, vae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
+        self._mar = mar
+        self._vae = vae
+        self.path = path
+        self.vae_path = vae_path
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    def config(self):
+        """Hyper-parameters read back from the checkpoint shapes."""
+        return dict(self._mar.config)
+
+    @property
+    def num_params(self):
+        return self._mar.num_params
+
+    @property
+    def timesteps(self):
+        """Original diffusion timesteps tau_j (j = 0..n-1) the head is evaluated at."""
+        return list(self._mar.timesteps)
+
+    def __repr__(self):
+        c = self._mar.config
+        return (f"MARModel(width={c['width']}, depth={c['depth']}+{c['decoder_depth']}, heads={c['heads']}, "
+                f"head={c['head_depth']}x{c['head_width']}, params={self.num_params:,}, "
+                f"vae={'yes' if self._vae is not None else 'no'}, device={self.device!r})")
+
+    # ----------------------------------------------------------- generation
+    def _labels(self, labels, num_images):
+        if labels is None:
+            if num_images is None:
+                raise ValueError("unconditional generation needs num_images=N (labels=None)")
+            if int(num_images) < 1:
+                raise ValueError(f"num_images must be >= 1, got {num_images}")
+            return np.full(int(num_images), -1, dtype=np.int32)
+        arr = np.asarray(labels)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.size == 0:
+            raise ValueError("labels is empty: pass at least one class label, or labels=None with num_images=N")
+        if arr.ndim != 1:
+            raise ValueError(f"labels must be a 1-D list of class indices, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"labels must be integers, got dtype {arr.dtype}")
+        n_classes = self._mar.config["num_classes"]
+        bad = (arr < 0) | (arr >= n_classes)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"label {int(arr[i])} at index {i} is outside 0..{n_classes - 1}")
+        if num_images is not None and int(num_images) != arr.size:
+            raise ValueError(f"num_images={num_images} does not match {arr.size} labels")
+        return arr.astype(np.int32)
+
+    def generate_tokens(self, labels=None, steps=64, cfg=1.0, cfg_schedule="linear", temperature=1.0, seed=0,
+                        first_index=0, cache=None, progress=False, num_images=None, return_info=False):
+        """Like generate() but returns the latent tokens [N, S, C] instead of images."""
+        label_arr = self._labels(labels, num_images)
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        if not np.isfinite(cfg) or cfg < 0:
+            raise ValueError(f"cfg must be a finite number >= 0, got {cfg!r}")
+        if not np.isfinite(temperature) or temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if cfg_schedule not in ("linear", "constant"):
+            raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {cfg_schedule!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in 0..2**64-1, got {seed!r}")
+        if not isinstance(first_index, (int, np.integer)) or not 0 <= first_index or \
+                first_index + label_arr.size > 2**32:
+            raise ValueError(f"first_index must be an integer >= 0 with first_index + N <= 2**32, got {first_index!r}")
+        _resolve_cache(cache)
+        bar = None
+        callback = None
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=int(steps), desc="MAR", unit="step")
+                callback = lambda info: bar.update(1)  # noqa: E731
+            except ImportError:
+                bar = None
+        t0 = time.perf_counter()
+        try:
+            tokens, step_infos = self._mar.generate(label_arr, steps=int(steps), cfg=float(cfg),
+                                                    cfg_schedule=cfg_schedule, temperature=float(temperature),
+                                                    seed=int(seed), first_index=int(first_index), callback=callback)
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - t0
+        if return_info:
+            info = GenerationInfo(steps=step_infos, tokens=tokens, seconds_transformer_and_head=seconds,
+                                  seconds_decode=0.0, flops=float(sum(s["flops"] for s in step_infos)))
+            return tokens, info
+        return tokens
+
+    def generate(self, labels=None, steps=64, cfg=1.0, cfg_schedule="linear", temperature=1.0, seed=0,
+                 first_index=0, cache=None, progress=False, return_info=False, num_images=None):
+        """Generates images: uint8 [N, H, W, 3].
+
+        Image j of a call is image first_index + j of the seed's sequence, the
+        same whatever the batch it is generated in (so a sweep can be split
+        into shards). labels=None with num_images=N generates unconditionally.
+        With return_info=True returns (images, GenerationInfo).
+        """
+        if self._vae is None:
+            raise ValueError("this model was loaded without a VAE: pass vae='kl16.safetensors' to marcache.load, "
+                             "or call generate_tokens() for latent tokens")
+        tokens, info = self.generate_tokens(labels, steps=steps, cfg=cfg, cfg_schedule=cfg_schedule,
+                                            temperature=temperature, seed=seed, first_index=first_index,
+                                            cache=cache, progress=progress, num_images=num_images,
+                                            return_info=True)
+        t0 = time.perf_counter()
+        images = self.decode(tokens)
+        info.seconds_decode = time.perf_counter() - t0
+        return (images, info) if return_info else images
+
+    # ----------------------------------------------------------- components
+    def transformer(self, tokens, mask, labels):
+        """Encoder + decoder: tokens [B, S, C], mask [B, S] (True = unknown), labels [B] (-1 = unconditional)
+        -> condition vectors z [B, S, Dd]. Every row must have the same number of known tokens."""
+        return self._mar.transformer(np.ascontiguousarray(tokens, np.float32),
+                                     np.ascontiguousarray(mask, np.uint8),
+                                     np.ascontiguousarray(labels, np.int32))
+
+    def head(self, x, z, timestep_index):
+        """One diffusion-head evaluation (no CFG): x [N, C], z [N, Dd] at timesteps[timestep_index] -> [N, 2C]."""
+        return self._mar.head(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(z, np.float32),
+                              int(timestep_index))
+
+    def head_sample(self, z, images, positions, cfg=1.0, temperature=1.0, seed=0):
+        """The 100-step DDPM head sampler on rows identified by (image index, token position).
+        With cfg != 1, z holds the n conditional rows followed by the n unconditional rows."""
+        return self._mar.head_sample(np.ascontiguousarray(z, np.float32), np.ascontiguousarray(images, np.uint32),
+                                     np.ascontiguousarray(positions, np.uint32), cfg=float(cfg),
+                                     temperature=float(temperature), seed=int(seed))
+
+    def decode(self, tokens):
+        """KL-16 VAE decode of latent tokens [N, S, C] -> uint8 images [N, H, W, 3]."""
+        if self._vae is None:
+            raise ValueError("this model was loaded without a VAE: pass vae= to marcache.load")
+        return self._vae.decode_uint8(np.ascontiguousarray(tokens, np.float32))
+
+    def decode_float(self, tokens):
+        """KL-16 VAE decode to float images [N, H, W, 3], nominally in [-1, 1]."""
+        if self._vae is None:
+            raise ValueError("this model was loaded without a VAE: pass vae= to marcache.load")
+        return self._vae.decode(np.ascontiguousarray(tokens, np.float32))
+
+
+def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps=100, threads=0):
+    """Loads a MAR safetensors file (converted from the official checkpoint) and optionally the KL-16 VAE.
+
+    device: "cpu", "auto" (CUDA when built and present, else CPU) or "cuda[:N]".
+    dtype: compute dtype; the CPU backend computes in "fp32" (weights stored as F16/BF16 are
+    converted once at load).
+    heads: attention heads, only for non-standard widths (the released 768/1024/1280 configs are known).
+    """
+    path = _check_path(path, "MAR model")
+    vae_path = _check_path(vae, "VAE") if vae is not None else None
+    device = _resolve_device(device)
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16', got {dtype!r}")
+    if device == "cpu" and dtype != "fp32":
+        raise ValueError(f"the CPU backend computes in fp32; dtype={dtype!r} needs device='cuda'")
+    if heads is not None and (not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"heads must be a positive integer, got {heads!r}")
+    if not isinstance(diffusion_steps, int) or not 1 <= diffusion_steps <= 1000:
+        raise ValueError(f"diffusion_steps must be an integer in 1..1000, got {diffusion_steps!r}")
+    mar = _C.MAR(path, heads=heads or 0, diffusion_steps=diffusion_steps, threads=int(threads))
+    vae_obj = _C.VAE(vae_path) if vae_path is not None else None
+    return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)

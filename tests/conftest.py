@@ -1,0 +1,63 @@
+"""Shared test setup: import paths, and the backend parametrisation with the
+GPU gate.
+
+Any test that takes a `backend` argument runs once per backend in
+KNOWN_BACKENDS plus any other backend the build reports. A backend the build
+lacks is skipped, except under MARCACHE_REQUIRE_CUDA=1 (the GPU machine's CI),
+where a build without "cuda" ends the whole session with exit status 1 before
+any test runs: a GPU run must never pass by skipping every GPU case.
+"""
+import functools
+import os
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+for path in (TESTS_DIR, REPO_ROOT):  # `reference` package; in-place marcache build
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+KNOWN_BACKENDS = ("cpu", "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def built_backends():
+    """Backend names of this build of marcache._C."""
+    from marcache import _C
+
+    return tuple(_C.backends())
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("MARCACHE_REQUIRE_CUDA") != "1":
+        return
+    try:
+        names = built_backends()
+    except ImportError as exc:
+        pytest.exit("MARCACHE_REQUIRE_CUDA=1 but marcache._C does not import: %s" % exc,
+                    returncode=1)
+    if "cuda" not in names:
+        pytest.exit("MARCACHE_REQUIRE_CUDA=1 but this build has no cuda backend "
+                    "(marcache._C.backends() == %r)" % (list(names),), returncode=1)
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        names = list(KNOWN_BACKENDS)
+        try:
+            names += [n for n in built_backends() if n not in names]
+        except ImportError:
+            pass  # the import error is reported by the test module itself
+        metafunc.parametrize("backend", names, indirect=True)
+
+
+@pytest.fixture
+def backend(request):
+    """The backend name under test; skips a backend this build lacks."""
+    name = request.param
+    if name not in built_backends():
+        pytest.skip("backend %r is not in this build (marcache._C.backends() == %r)"
+                    % (name, list(built_backends())))
+    return name

@@ -1,0 +1,24 @@
+"""Tiny MAR models in the exact official key layout, written with the
+safetensors package (an independent writer) for the engine tests."""
+import numpy as np
+from safetensors.numpy import save_file
+
+from reference import mar as R
+
+TINY = dict(dim=32, depth=2, heads=2, head_width=32, head_depth=2)
+
+
+def write_tiny_mar(path, seed=0, heads=2, metadata_heads=True, dim=32, depth=2, head_width=32, head_depth=2,
+                   num_classes=1000, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    W = R.random_mar_weights(rng, dim=dim, depth=depth, heads_unused=heads, head_width=head_width,
+                             head_depth=head_depth, num_classes=num_classes)
+    meta = {"heads": str(heads)} if metadata_heads else None
+    save_file({k: v.astype(dtype) for k, v in W.items()}, str(path), metadata=meta)
+    return W
+
+
+def rel_err(a, ref):
+    a = np.asarray(a, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-30))

@@ -1,0 +1,108 @@
+"""The command line, the end-to-end generate() with a VAE, flops() against
+telemetry, and the notebook-facing conveniences."""
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import marcache as mc
+from mar_fixtures import write_tiny_mar
+from reference import vae as ref_vae
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    mar_path = d / "tiny_mar.safetensors"
+    write_tiny_mar(mar_path)
+    vae_path = d / "tiny_vae.safetensors"
+    vae_w = ref_vae.random_vae_weights(np.random.default_rng(3), ch=32, ch_mult=(1, 2), num_res_blocks=1)
+    save_file(dict(vae_w), str(vae_path))
+    return mar_path, vae_path, vae_w
+
+
+def read_png_size(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
+    raw = zlib.decompress(idat)
+    assert len(raw) == height * (1 + 3 * width)
+    return width, height
+
+
+def test_generate_images_end_to_end(files):
+    mar_path, vae_path, vae_w = files
+    model = mc.load(mar_path, vae=vae_path)
+    images, info = model.generate(labels=[1, 2], steps=3, cfg=2.0, seed=4, return_info=True)
+    assert images.dtype == np.uint8 and images.shape == (2, 32, 32, 3)
+    expected = ref_vae.to_uint8(ref_vae.decode(vae_w, info.tokens))
+    # float32 vs float64 decoding may flip a pixel that sits on a rounding boundary
+    assert np.abs(images.astype(int) - expected.astype(int)).max() <= 1
+    assert info.seconds_decode > 0 and len(info.steps) == 3
+
+
+def test_flops_agree_with_telemetry(files):
+    model = mc.load(files[0])
+    for steps, cfg, batch in [(16, 1.0, 1), (16, 2.9, 3), (64, 2.9, 2), (300, 1.0, 1)]:
+        _, info = model.generate_tokens(labels=list(range(batch)), steps=steps, cfg=cfg, return_info=True) \
+            if steps <= 64 else (None, None)
+        rep = mc.flops(model, steps=steps, cfg=cfg, batch=batch)
+        if info is not None:
+            assert [s["flops"] for s in info.steps] == pytest.approx(rep.per_step, rel=1e-12)
+            assert info.flops == pytest.approx(rep.total, rel=1e-12)
+        assert rep.total == pytest.approx(rep.encoder + rep.decoder + rep.head, rel=1e-12)
+
+
+def test_flops_of_released_configs_match_spec():
+    """mar.md 13.2: MAR-B with CFG at 64 steps; encoder and decoder exactly, head with hoisting."""
+    rep = mc.flops("mar_base", steps=64, cfg=2.9)
+    assert rep.encoder / 1e12 == pytest.approx(3.53, abs=0.01)
+    assert rep.decoder / 1e12 == pytest.approx(7.46, abs=0.01)
+    # the spec's hoisted head: 64 W^2 + 96 W per row per step, times 256 tokens, 2 (CFG), 100 steps;
+    # ours also skips input_proj on the dead CFG half and counts cond_embed once per AR step
+    W, Dd = 1024, 768
+    head = 256 * 100 * (2 * 64 * W * W + 2 * 64 * W + 16 * 2 * W) + 256 * 2 * 2 * Dd * W
+    assert rep.head == pytest.approx(head, rel=1e-12)
+    assert mc.flops("mar_base", steps=64, cfg=1.0).total == pytest.approx(rep.total / 2, rel=0.01)
+    with pytest.raises(ValueError, match="unknown model"):
+        mc.flops("mar_tiny")
+
+
+def test_cli_generate_writes_png(files, tmp_path):
+    mar_path, vae_path, _ = files
+    out = tmp_path / "grid.png"
+    proc = subprocess.run([sys.executable, "-m", "marcache", "generate", "--model", str(mar_path), "--vae",
+                           str(vae_path), "--labels", "207", "360", "--steps", "2", "--cfg", "2.9", "--seed", "0",
+                           "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stdout
+    width, height = read_png_size(out)
+    assert (width, height) == (2 * 32 + 3 * 2, 32 + 2 * 2)
+
+
+def test_cli_reports_bad_input_cleanly(files, tmp_path):
+    mar_path, vae_path, _ = files
+    proc = subprocess.run([sys.executable, "-m", "marcache", "generate", "--model", str(mar_path), "--vae",
+                           str(vae_path), "--labels", "5000", "--out", str(tmp_path / "x.png")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "label 5000" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_info_and_flops():
+    proc = subprocess.run([sys.executable, "-m", "marcache", "info"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "blas" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "marcache", "flops", "mar_base", "--steps", "64", "--cfg", "2.9"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "TFLOPs per image" in proc.stdout
+
+
+def test_build_info_names_backends_and_blas():
+    info = mc.build_info()
+    assert info["backends"] == "cpu"
+    assert "OpenBLAS" in info["blas_config"]
+    assert "-fopenmp" in info["cflags"]
