@@ -45,7 +45,8 @@ ext = Extension(
     libraries=[scipy_openblas32.get_library(), "m"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                    ("MC_BLAS_NAME", '"scipy-openblas32 ' + scipy_openblas32.__version__ + '"'),
-                   ("MC_BUILD_CFLAGS", '"' + " ".join(a for a in compile_args() if "/" not in a) + '"')],
+                   ("MC_BUILD_CFLAGS", '"' + " ".join(a for a in compile_args()
+                                                      if "/" not in a and a != "-isystem") + '"')],
     extra_compile_args=compile_args(),
     extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib"],
 )

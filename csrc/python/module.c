@@ -35,9 +35,9 @@ PyObject *mcpy_raise(const mc_err *err) {
 static PyObject *build_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    return Py_BuildValue("{s:s,s:s,s:s,s:s,s:i,s:s}", "backends", "cpu", "blas", MC_BLAS_NAME,
-                         "blas_config", mc_cpu_blas_config(), "cflags", MC_BUILD_CFLAGS,
-                         "openmp", _OPENMP, "compiler", __VERSION__);
+    return Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:i,s:s}", "backends", "cpu", "blas", MC_BLAS_NAME,
+                         "blas_config", mc_cpu_blas_config(), "blas_core", mc_cpu_blas_core(),
+                         "cflags", MC_BUILD_CFLAGS, "openmp", _OPENMP, "compiler", __VERSION__);
 }
 
 /* Times the CPU backend's sgemm (C = A B^T, the nn.Linear form) on
@@ -63,11 +63,11 @@ static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
             a[i] = (float)((i % 17) - 8) * 0.01f;
         for (long long i = 0; i < n * k; i++)
             b[i] = (float)((i % 13) - 6) * 0.01f;
-        mc_cpu_sgemm(0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+        mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
         for (int r = 0; r < reps; r++) {
             struct timespec t0, t1;
             clock_gettime(CLOCK_MONOTONIC, &t0);
-            mc_cpu_sgemm(0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+            mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
             clock_gettime(CLOCK_MONOTONIC, &t1);
             double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
             if (r == 0 || dt < best)

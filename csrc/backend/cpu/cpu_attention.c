@@ -66,7 +66,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             if (segs[g].rows == 0)
                 continue;
             const float *kb = segs[g].k + b * segs[g].batch_stride + h * head_dim;
-            mc_cpu_sgemm(0, 1, nq, segs[g].rows, head_dim, scale, qb, ldq, kb, segs[g].ld, 0.0f,
+            mc_cpu_sgemm(1, 0, 1, nq, segs[g].rows, head_dim, scale, qb, ldq, kb, segs[g].ld, 0.0f,
                          s + col, total_keys);
             col += segs[g].rows;
         }
@@ -77,7 +77,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             if (segs[g].rows == 0)
                 continue;
             const float *vb = segs[g].v + b * segs[g].batch_stride + h * head_dim;
-            mc_cpu_sgemm(0, 0, nq, head_dim, segs[g].rows, 1.0f, s + col, total_keys, vb,
+            mc_cpu_sgemm(1, 0, 0, nq, head_dim, segs[g].rows, 1.0f, s + col, total_keys, vb,
                          segs[g].ld, first ? 0.0f : 1.0f, ob, ldo);
             col += segs[g].rows;
             first = 0;

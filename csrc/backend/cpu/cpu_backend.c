@@ -35,12 +35,13 @@ static void sgemm_serial(int trans_a, int trans_b, int64_t m, int64_t n, int64_t
                       (blasint)k, alpha, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
 }
 
-void mc_cpu_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+void mc_cpu_sgemm(int threads, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
                   int64_t ldc) {
     if (m == 0 || n == 0)
         return;
-    int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+    if (omp_get_level() > 0)
+        threads = 1;
     if (threads <= 1 || 2.0 * (double)m * (double)n * (double)k < MC_GEMM_PARALLEL_MIN_FLOPS) {
         sgemm_serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
@@ -71,6 +72,8 @@ void mc_cpu_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, flo
 }
 
 const char *mc_cpu_blas_config(void) { return scipy_openblas_get_config(); }
+
+const char *mc_cpu_blas_core(void) { return scipy_openblas_get_corename(); }
 
 int mc_cpu_threads(mc_backend *be) { return ((cpu_state *)be->impl)->num_threads; }
 

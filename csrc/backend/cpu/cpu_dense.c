@@ -19,14 +19,14 @@ mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64
                       float beta, float *c, int64_t ldc, mc_err *err) {
     (void)be;
     (void)err;
-    mc_cpu_sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    mc_cpu_sgemm(mc_cpu_threads(be), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return MC_OK;
 }
 
-static void apply_act_rows(mc_act act, float *y, int64_t ldy, int64_t rows, int64_t dim) {
+static void apply_act_rows(mc_backend *be, mc_act act, float *y, int64_t ldy, int64_t rows, int64_t dim) {
     if (act == MC_ACT_NONE)
         return;
-#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         float *row = y + r * ldy;
         if (act == MC_ACT_GELU)
@@ -48,7 +48,7 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
     /* Bias first, then GEMM with beta = 1, so the bias costs one pass. */
     if (bias != NULL) {
-#pragma omp parallel for schedule(static) if (rows * out >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * out >= MC_PARALLEL_MIN_ELEMS)
         for (int64_t r = 0; r < rows; r++) {
             float *row = y + r * ldy;
             if (beta != 0.0f)
@@ -60,8 +60,8 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         }
         beta = 1.0f;
     }
-    mc_cpu_sgemm(0, 1, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy);
-    apply_act_rows(act, y, ldy, rows, out);
+    mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy);
+    apply_act_rows(be, act, y, ldy, rows, out);
     return MC_OK;
 }
 
@@ -71,7 +71,7 @@ mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t 
     (void)be;
     if ((shift == NULL) != (scale == NULL))
         return mc_fail(err, MC_ERR_INTERNAL, "layernorm: shift and scale go together");
-#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
@@ -105,7 +105,7 @@ mc_status mc_cpu_activation(mc_backend *be, mc_act act, float *x, int64_t ld, in
                             int64_t dim, mc_err *err) {
     (void)be;
     (void)err;
-    apply_act_rows(act, x, ld, rows, dim);
+    apply_act_rows(be, act, x, ld, rows, dim);
     return MC_OK;
 }
 
@@ -114,7 +114,7 @@ mc_status mc_cpu_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, i
     (void)be;
     if (period <= 0)
         return mc_fail(err, MC_ERR_INTERNAL, "add_rows: period must be positive");
-#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * ldy;
         const float *vr = v + (r % period) * ldv;
@@ -128,7 +128,7 @@ mc_status mc_cpu_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u
                            const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err) {
     (void)be;
     (void)err;
-#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * ldy;
         const float *ur = u + r * ldu, *gr = gate + r * ldg;
@@ -142,7 +142,7 @@ mc_status mc_cpu_gather_rows(mc_backend *be, const float *src, int64_t lds, cons
                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err) {
     (void)be;
     (void)err;
-#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++)
         memcpy(dst + r * ldd, src + (int64_t)idx[r] * lds, (size_t)dim * sizeof(float));
     return MC_OK;
@@ -152,7 +152,7 @@ mc_status mc_cpu_scatter_rows(mc_backend *be, const float *src, int64_t lds, con
                               int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err) {
     (void)be;
     (void)err;
-#pragma omp parallel for schedule(static) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++)
         memcpy(dst + (int64_t)idx[r] * ldd, src + r * lds, (size_t)dim * sizeof(float));
     return MC_OK;

@@ -6,10 +6,14 @@
 #include "../ops.h"
 
 /* cblas is reached through these so the BLAS symbol prefix lives in one place. */
-void mc_cpu_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+/* `threads`: the team size for a GEMM called outside a parallel region
+ * (inside one it always runs serially on the calling thread). */
+void mc_cpu_sgemm(int threads, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
                   int64_t ldc);
 const char *mc_cpu_blas_config(void);
+/* The kernel family OpenBLAS chose at load (e.g. "SkylakeX"). */
+const char *mc_cpu_blas_core(void);
 int mc_cpu_threads(mc_backend *be);
 
 mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
