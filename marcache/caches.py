@@ -1,6 +1,8 @@
-"""Cache policy configurations. Each is a small frozen dataclass whose fields
-are validated at construction; the C runtime reads them."""
-from dataclasses import dataclass
+"""Cache policy configurations: small frozen dataclasses whose fields are
+validated at construction. The C runtime reads them (as_dict)."""
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Tuple
 
 
 @dataclass(frozen=True)
@@ -10,10 +12,138 @@ class NoCache:
     name = "none"
 
 
+def _retention_64():
+    """LazyMAR's retention table for 64 steps (lazymar.md 5.4)."""
+    table = []
+    for s in range(64):
+        if s < 20:
+            r = 1.0
+        elif s == 20:
+            r = 0.6
+        elif s < 25:
+            r = 0.5
+        elif s < 30:
+            r = 0.4
+        elif s < 35:
+            r = 0.15
+        elif s < 40:
+            r = 0.12
+        else:
+            r = 0.05
+        table.append(r)
+    return tuple(table)
+
+
+RETENTION_64 = _retention_64()
+
+
+@dataclass(frozen=True)
+class LazyMAR:
+    """LazyMAR (Yan et al., ICCV 2025) as the official code runs it, at any step count.
+
+    AR step s is a *full* step when ``s < start`` or ``(s - start) % period == 0``;
+    full steps run the whole model and refill the caches. The other steps are
+    *cached*:
+
+    - ``token_cache``: the encoder runs only the buffer rows and the tokens
+      revealed last step, attending to per-layer cached K/V of all visible
+      tokens; the decoder runs all rows up to ``select_layer`` (0-based; the
+      official "layer 3"), ranks rows by the cosine of that layer's V against
+      the previous step (mean over heads), and keeps only
+      ``max(predicted + predicted_last_step + margin, floor(320 * r))`` rows
+      for the remaining layers, which attend to cached K/V of every row.
+      Rows predicted now and last step are always kept (the official code can
+      drop them when many cosines are negative; marcache never does).
+    - ``cond_cache`` (with CFG): the unconditional branch is skipped and its
+      last-block output approximated as ``cond + (uncond - cond)`` from the
+      last full step.
+    - ``head_cache``: inside every AR step's diffusion sampler, full head
+      evaluations at the first timestep and every ``head_period``-th; in
+      between only the conditional rows run, res blocks
+      ``head_skip_first..head_skip_last`` add their cached deltas, the other
+      blocks reuse their cached MLP output (recomputed when
+      ``j > head_recompute_above * T``), and ``eps_uncond = eps_cond - delta``.
+
+    ``retention`` is the 64-step table; a run of N steps reads entry
+    ``floor(s * 64 / N)`` (normalised progress, the identity at 64 steps).
+    ``start`` and ``period`` are used as given: ``LazyMAR.preset(32)`` gives the
+    paper's 32-step setting (start 4, period 5). With ``period=1`` every step is
+    full. ``cfg == 1`` runs without the condition cache; unconditional
+    generation works.
+    """
+
+    token_cache: bool = True
+    cond_cache: bool = True
+    head_cache: bool = True
+    start: int = 5
+    period: int = 9
+    retention: Tuple[float, ...] = field(default=RETENTION_64)
+    select_layer: int = 3
+    margin: int = 15
+    head_period: int = 7
+    head_skip_first: int = 1
+    head_skip_last: int = 4
+    head_recompute_above: float = 0.9
+
+    name = "lazymar"
+
+    def __post_init__(self):
+        for flag in ("token_cache", "cond_cache", "head_cache"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"LazyMAR.{flag} must be True or False, got {getattr(self, flag)!r}")
+        for name, low in (("start", 0), ("period", 1), ("select_layer", 0), ("margin", 0), ("head_period", 1),
+                          ("head_skip_first", 0), ("head_skip_last", -1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"LazyMAR.{name} must be an integer >= {low}, got {value!r}")
+        if self.head_skip_last < self.head_skip_first - 1:
+            raise ValueError("LazyMAR.head_skip_last must be >= head_skip_first - 1 (an empty range)")
+        table = tuple(float(r) for r in self.retention)
+        if len(table) != 64 or not all(0.0 <= r <= 1.0 for r in table):
+            raise ValueError("LazyMAR.retention must be 64 fractions in [0, 1] (the 64-step table)")
+        object.__setattr__(self, "retention", table)
+        if not (isinstance(self.head_recompute_above, (int, float)) and 0.0 <= self.head_recompute_above <= 1.0):
+            raise ValueError(f"LazyMAR.head_recompute_above must be in [0, 1], got {self.head_recompute_above!r}")
+
+    @classmethod
+    def preset(cls, steps, **overrides):
+        """The published settings: 64 steps (the official code's constants) or 32
+        steps (the paper's start 4, period 5; the retention table is the 64-step
+        one read by normalised progress, since the paper gives none)."""
+        if steps == 64:
+            base = cls()
+        elif steps == 32:
+            base = cls(start=4, period=5)
+        else:
+            raise ValueError(f"LazyMAR presets exist for 64 and 32 steps, not {steps}")
+        return replace(base, **overrides)
+
+    def is_full_step(self, step):
+        return step < self.start or (step - self.start) % self.period == 0
+
+    def retention_at(self, step, num_steps):
+        index = min(63, step * 64 // num_steps)
+        return self.retention[index]
+
+    def keep_rows(self, step, num_steps, predicted, predicted_before, rows=320):
+        """Decoder rows kept per sequence on a cached step."""
+        import numpy as np
+
+        by_table = math.floor(rows * float(np.float32(self.retention_at(step, num_steps))))
+        return min(rows, max(predicted + predicted_before + self.margin, by_table))
+
+    def as_dict(self):
+        d = asdict(self)
+        for flag in ("token_cache", "cond_cache", "head_cache"):
+            d[flag] = int(d[flag])
+        d["retention"] = list(self.retention)
+        return d
+
+
 def resolve(cache):
     """Returns a validated cache config (None means NoCache)."""
     if cache is None:
         return NoCache()
-    if isinstance(cache, NoCache):
+    if isinstance(cache, (NoCache, LazyMAR)):
         return cache
-    raise TypeError(f"cache must be None or a marcache cache config such as marcache.NoCache(), got {cache!r}")
+    raise TypeError(f"cache must be None, marcache.NoCache() or marcache.LazyMAR(...), got {cache!r}")

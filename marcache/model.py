@@ -123,7 +123,11 @@ class MARModel:
         if not isinstance(first_index, (int, np.integer)) or not 0 <= first_index or \
                 first_index + label_arr.size > 2**32:
             raise ValueError(f"first_index must be an integer >= 0 with first_index + N <= 2**32, got {first_index!r}")
-        _resolve_cache(cache)
+        cache = _resolve_cache(cache)
+        cache_dict = cache.as_dict() if hasattr(cache, "as_dict") else None
+        if cache_dict is not None and cache.select_layer >= self._mar.config["decoder_depth"]:
+            raise ValueError(f"LazyMAR.select_layer={cache.select_layer} but the decoder has "
+                             f"{self._mar.config['decoder_depth']} layers")
         bar = None
         callback = None
         if progress:
@@ -137,7 +141,8 @@ class MARModel:
         try:
             tokens, step_infos = self._mar.generate(label_arr, steps=int(steps), cfg=float(cfg),
                                                     cfg_schedule=cfg_schedule, temperature=float(temperature),
-                                                    seed=int(seed), first_index=int(first_index), callback=callback)
+                                                    seed=int(seed), first_index=int(first_index), callback=callback,
+                                                    cache=cache_dict)
         finally:
             if bar is not None:
                 bar.close()

@@ -144,7 +144,19 @@ def ref_token_normals(inputs, p):
     return ref.token_normals(p["seed"], p["stream"], p["step"], image, position, p["channels"])
 
 
+def ref_axpby(inputs, p):
+    x, y = inputs
+    return ref.axpby(p["a"], x, p["b"], y)
+
+
+def ref_cosine_rows(inputs, p):
+    a, b = inputs
+    return ref.cosine_rows(a, b, p["heads"])
+
+
 REFERENCES = {
+    "axpby": ref_axpby,
+    "cosine_rows": ref_cosine_rows,
     "gemm": ref_gemm,
     "linear": ref_linear,
     "layernorm": ref_layernorm,
@@ -551,6 +563,44 @@ case("token_normals", "256x64-seedmax-step65535", tol=0)(
 case("token_normals", "33x17-stream0", tol=0)(token_normals_builder(33, 17, 1, 0, 0))
 
 
+# axpby: copies (b = 0, where y's old content must not leak), deltas, strided x.
+def axpby_builder(rows, cols, a, b, strided=False, garbage_y=False):
+    def build(rng):
+        x = column_slice(rng, rows, cols) if strided else randn(rng, rows, cols)
+        y = np.full((rows, cols), np.nan, np.float32) if garbage_y else randn(rng, rows, cols)
+        return (x, y), {"a": f32(a), "b": f32(b)}
+    return build
+
+
+case("axpby", "1x1-copy")(axpby_builder(1, 1, 1.0, 0.0))
+case("axpby", "17x33-delta")(axpby_builder(17, 33, -1.0, 1.0))
+case("axpby", "65x768-scaled-copy-over-nan")(axpby_builder(65, 768, 0.5, 0.0, garbage_y=True))
+case("axpby", "33x17-strided-2.9")(axpby_builder(33, 17, 2.9, 1.0, strided=True))
+
+
+# cosine_rows: head dims 64 and 80, one head, a zero row (eps), strided V slices.
+def cosine_builder(rows, heads, hd, strided=False, zero_row=False, correlated=False):
+    def build(rng):
+        cols = heads * hd
+        if strided:  # the V part of two fused qkv buffers
+            a = randn(rng, rows, 3 * cols)[:, 2 * cols:]
+            b = randn(rng, rows, 3 * cols)[:, 2 * cols:]
+        else:
+            a, b = randn(rng, rows, cols), randn(rng, rows, cols)
+        if correlated:
+            b = (a + 0.1 * b).astype(np.float32)
+        if zero_row:
+            a[0] = 0.0
+        return (a, b), {"heads": heads}
+    return build
+
+
+case("cosine_rows", "1x1x1")(cosine_builder(1, 1, 1))
+case("cosine_rows", "17x12x64-correlated")(cosine_builder(17, 12, 64, correlated=True))
+case("cosine_rows", "33x16x80-strided")(cosine_builder(33, 16, 80, strided=True))
+case("cosine_rows", "5x3x7-zero-row")(cosine_builder(5, 3, 7, zero_row=True))
+
+
 # --------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------
@@ -573,7 +623,7 @@ def test_op(backend, case):
             pytest.skip("pending op: %s (runs once the backend fills the table entry)" % exc)
         raise
     for before, after in zip(snapshot, inputs):
-        assert before is None or np.array_equal(before, after), "run_op modified an input"
+        assert before is None or np.array_equal(before, after, equal_nan=True), "run_op modified an input"
     want = np.asarray(case.reference(inputs, params))
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
     assert got.shape == want.shape

@@ -141,6 +141,18 @@ struct mc_ops {
     mc_status (*token_normals)(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
                                const uint32_t *image, const uint32_t *position, int64_t rows,
                                int channels, float *out, mc_err *err);
+
+    /* y = a * x + b * y over [rows, cols] (strided). With b == 0, y is only
+     * written (copies, scaled copies); cache policies use it for deltas. */
+    mc_status (*axpby)(mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y,
+                       int64_t ldy, int64_t rows, int64_t cols, mc_err *err);
+
+    /* out[r] = mean over heads h of cos(a_rh, b_rh), where a_rh is the h-th
+     * head_dim slice of row r; cos = a.b / max(|a| |b|, 1e-8) (PyTorch's
+     * cosine_similarity). LazyMAR ranks tokens by it. */
+    mc_status (*cosine_rows)(mc_backend *be, const float *a, int64_t lda, const float *b,
+                             int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
+                             mc_err *err);
 };
 
 struct mc_backend {

@@ -55,10 +55,10 @@ int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err) {
 
 static void free_workspace(mc_mar *mar) {
     mc_backend *be = mar->backend;
-    for (int i = 0; i < 24; i++)
+    for (int i = 0; i < MC_MAR_WS_SLOTS; i++)
         if (mar->ws.slots[i] != NULL)
             be->ops->release(be, mar->ws.slots[i]);
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < MC_MAR_WSI_SLOTS; i++)
         if (mar->ws.index_slots[i] != NULL)
             be->ops->release(be, mar->ws.index_slots[i]);
     memset(&mar->ws, 0, sizeof mar->ws);
@@ -393,33 +393,74 @@ int64_t mc_mar_num_params(const mc_mar *mar) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* One timm Block (mar.md 3.1) on n_seq sequences of seq_rows rows, in place. */
-static mc_status block_forward(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq,
-                               int64_t seq_rows, int64_t dim, int64_t heads, int64_t hidden,
-                               mc_err *err) {
+static mc_status store_kv(mc_mar *m, const float *qkv, int64_t q_rows, int64_t dim,
+                          const mc_mar_kv_io *io, mc_err *err) {
+    const int64_t n = io->store_seq * q_rows;
+    if (n == 0 || (io->k_store == NULL && io->v_store == NULL))
+        return MC_OK;
+    int32_t *host = malloc((size_t)n * sizeof(int32_t));
+    if (host == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate K/V store indices");
+    for (int64_t b = 0; b < io->store_seq; b++)
+        for (int64_t r = 0; r < q_rows; r++) {
+            int64_t slot = io->store_slots ? io->store_slots[b * q_rows + r] : r;
+            host[b * q_rows + r] = (int32_t)(b * io->store_cap + slot);
+        }
+    int32_t *d_idx = upload_index(m, WSI_C, host, n, err);
+    free(host);
+    if (d_idx == NULL)
+        return err->status;
+    mc_backend *be = m->backend;
+    if (io->k_store != NULL)
+        MC_TRY(be->ops->scatter_rows(be, qkv + dim, 3 * dim, d_idx, n, dim, io->k_store, dim, err));
+    if (io->v_store != NULL)
+        MC_TRY(be->ops->scatter_rows(be, qkv + 2 * dim, 3 * dim, d_idx, n, dim, io->v_store, dim, err));
+    return MC_OK;
+}
+
+mc_status mc_mar_block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq,
+                            int64_t q_rows, int64_t dim, int64_t heads, const mc_mar_kv_io *io,
+                            mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
-    const int64_t rows = n_seq * seq_rows;
+    const int64_t rows = n_seq * q_rows;
     const int64_t head_dim = dim / heads;
     float *normed = mc_mar_ws(m, WS_NORMED, (size_t)(rows * dim), err);
     float *qkv = mc_mar_ws(m, WS_QKV, (size_t)(rows * 3 * dim), err);
     float *attn = mc_mar_ws(m, WS_ATTN, (size_t)(rows * dim), err);
-    int64_t chunk = rows < MAR_MLP_CHUNK_ROWS ? rows : MAR_MLP_CHUNK_ROWS;
-    float *mlp_hidden = mc_mar_ws(m, WS_MLP_HIDDEN, (size_t)(chunk * hidden), err);
-    if (!normed || !qkv || !attn || !mlp_hidden)
+    if (!normed || !qkv || !attn)
         return err->status;
-
     MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL,
                           0, normed, dim, err));
     MC_TRY(ops->linear(be, normed, dim, rows, dim, blk->qkv_w, blk->qkv_b, 3 * dim, MC_ACT_NONE,
                        0.0f, qkv, 3 * dim, err));
-    const mc_kv_segment kv = {.k = qkv + dim, .v = qkv + 2 * dim, .rows = seq_rows,
-                              .ld = 3 * dim, .batch_stride = seq_rows * 3 * dim};
-    MC_TRY(ops->attention(be, n_seq, seq_rows, (int)heads, (int)head_dim,
-                          (float)(1.0 / sqrt((double)head_dim)), qkv, 3 * dim, seq_rows * 3 * dim,
-                          &kv, 1, attn, dim, seq_rows * dim, err));
-    MC_TRY(ops->linear(be, attn, dim, rows, dim, blk->proj_w, blk->proj_b, dim, MC_ACT_NONE, 1.0f,
-                       x, dim, err));
+    if (io != NULL)
+        MC_TRY(store_kv(m, qkv, q_rows, dim, io, err));
+    mc_kv_segment kv = {.k = qkv + dim, .v = qkv + 2 * dim, .rows = q_rows, .ld = 3 * dim,
+                        .batch_stride = q_rows * 3 * dim};
+    if (io != NULL && io->k_attend != NULL) {
+        kv.k = io->k_attend;
+        kv.v = io->v_attend;
+        kv.rows = io->attend_rows;
+        kv.ld = dim;
+        kv.batch_stride = io->attend_cap * dim;
+    }
+    MC_TRY(ops->attention(be, n_seq, q_rows, (int)heads, (int)head_dim,
+                          (float)(1.0 / sqrt((double)head_dim)), qkv, 3 * dim, q_rows * 3 * dim,
+                          &kv, 1, attn, dim, q_rows * dim, err));
+    return ops->linear(be, attn, dim, rows, dim, blk->proj_w, blk->proj_b, dim, MC_ACT_NONE, 1.0f,
+                       x, dim, err);
+}
+
+mc_status mc_mar_block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t rows, int64_t dim,
+                           int64_t hidden, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    int64_t chunk = rows < MAR_MLP_CHUNK_ROWS ? rows : MAR_MLP_CHUNK_ROWS;
+    float *normed = mc_mar_ws(m, WS_NORMED, (size_t)(chunk * dim), err);
+    float *mlp_hidden = mc_mar_ws(m, WS_MLP_HIDDEN, (size_t)(chunk * hidden), err);
+    if (!normed || !mlp_hidden)
+        return err->status;
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
         int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
         float *xr = x + r0 * dim;
@@ -444,17 +485,12 @@ mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t 
     return MC_OK;
 }
 
-/* MAE encoder (mar.md 3.2): returns X [B' * (P + K), D] in WS_ENC_X. */
-static mc_status encoder_forward(mc_mar *m, const mc_mar_batch *batch, float **x_out, mc_err *err) {
+mc_status mc_mar_encoder_input(mc_mar *m, const mc_mar_batch *batch, float *x, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &m->config;
     const int64_t B = batch->n_seq, K = batch->n_known, P = c->buffer_size, S = c->seq_len;
     const int64_t D = c->width, C = c->token_channels, rows_per = P + K;
-
-    float *x = mc_mar_ws(m, WS_ENC_X, (size_t)(B * rows_per * D), err);
-    if (x == NULL)
-        return err->status;
     for (int64_t b = 0; b < B; b++) {
         MC_TRY(ops->copy(be, x + b * rows_per * D, m->enc_pos, (size_t)(P * D) * sizeof(float), err));
         MC_TRY(ops->add_rows(be, x + b * rows_per * D, D, P, D, batch->class_vectors + b * D, D, 1, err));
@@ -485,59 +521,128 @@ static mc_status encoder_forward(mc_mar *m, const mc_mar_batch *batch, float **x
         MC_TRY(ops->linear(be, tok, C, n, C, m->z_proj_w, m->z_proj_b, D, MC_ACT_NONE, 1.0f, proj, D, err));
         MC_TRY(ops->scatter_rows(be, proj, D, d_dst, n, D, x, D, err));
     }
-    MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->z_proj_ln_w, m->z_proj_ln_b, MAR_LN_EPS,
-                          NULL, NULL, 0, x, D, err));
-    for (int64_t i = 0; i < c->enc_depth; i++)
-        MC_TRY(block_forward(m, &m->enc_blocks[i], x, B, rows_per, D, c->enc_heads, c->mlp_hidden, err));
-    MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->enc_norm_w, m->enc_norm_b, MAR_LN_EPS, NULL,
-                          NULL, 0, x, D, err));
-    *x_out = x;
+    return ops->layernorm(be, x, D, B * rows_per, D, m->z_proj_ln_w, m->z_proj_ln_b, MAR_LN_EPS,
+                          NULL, NULL, 0, x, D, err);
+}
+
+mc_status mc_mar_decoder_input(mc_mar *m, const float *enc, int64_t n_seq, int64_t n_tok,
+                               const int32_t *positions, float *f, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const mc_mar_config *c = &m->config;
+    const int64_t P = c->buffer_size, L = P + c->seq_len, D = c->width, Dd = c->dec_width;
+    const int64_t rows_per = P + n_tok, n = n_seq * rows_per;
+    float *embedded = mc_mar_ws(m, WS_GATHER, (size_t)(n * Dd), err);
+    int32_t *host = malloc((size_t)n * 2 * sizeof(int32_t));
+    if (embedded == NULL || host == NULL) {
+        free(host);
+        return embedded == NULL ? err->status : mc_fail(err, MC_ERR_NOMEM, "cannot allocate decoder indices");
+    }
+    int32_t *pos_rows = host, *dst_rows = host + n;
+    for (int64_t b = 0; b < n_seq; b++)
+        for (int64_t r = 0; r < rows_per; r++) {
+            int32_t pos = r < P ? (int32_t)r : (int32_t)(P + positions[b * n_tok + (r - P)]);
+            pos_rows[b * rows_per + r] = pos;
+            dst_rows[b * rows_per + r] = (int32_t)(b * L + pos);
+        }
+    int32_t *d_pos = upload_index(m, WSI_A, pos_rows, n, err);
+    int32_t *d_dst = d_pos ? upload_index(m, WSI_B, dst_rows, n, err) : NULL;
+    free(host);
+    if (d_dst == NULL)
+        return err->status;
+    MC_TRY(ops->gather_rows(be, m->dec_pos, Dd, d_pos, n, Dd, embedded, Dd, err));
+    MC_TRY(ops->linear(be, enc, D, n, D, m->dec_embed_w, m->dec_embed_b, Dd, MC_ACT_NONE, 1.0f,
+                       embedded, Dd, err));
+    return ops->scatter_rows(be, embedded, Dd, d_dst, n, Dd, f, Dd, err);
+}
+
+mc_status mc_mar_decoder_init(mc_mar *m, float *f, int64_t n_seq, mc_err *err) {
+    mc_backend *be = m->backend;
+    const int64_t L = m->config.buffer_size + m->config.seq_len, Dd = m->config.dec_width;
+    for (int64_t b = 0; b < n_seq; b++)
+        MC_TRY(be->ops->copy(be, f + b * L * Dd, m->dec_masked_rows, (size_t)(L * Dd) * sizeof(float), err));
     return MC_OK;
 }
 
-mc_status mc_mar_transformer(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
-                             int64_t n_out, float *z_out, mc_err *err) {
+mc_status mc_mar_output_rows(mc_mar *m, const float *x, const int32_t *src_rows, const int32_t *positions,
+                             int64_t n_out, const float *extra, const int32_t *extra_rows, float *z_out,
+                             mc_err *err) {
+    if (n_out == 0)
+        return MC_OK;
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t Dd = m->config.dec_width;
+    int32_t *d_src = upload_index(m, WSI_A, src_rows, n_out, err);
+    int32_t *d_pos = d_src ? upload_index(m, WSI_B, positions, n_out, err) : NULL;
+    float *tmp = mc_mar_ws(m, WS_GATHER, (size_t)(n_out * Dd), err);
+    if (d_pos == NULL || tmp == NULL)
+        return err->status;
+    MC_TRY(ops->gather_rows(be, x, Dd, d_src, n_out, Dd, z_out, Dd, err));
+    if (extra != NULL) {
+        int32_t *d_extra = upload_index(m, WSI_C, extra_rows, n_out, err);
+        if (d_extra == NULL)
+            return err->status;
+        MC_TRY(ops->gather_rows(be, extra, Dd, d_extra, n_out, Dd, tmp, Dd, err));
+        MC_TRY(ops->add_rows(be, z_out, Dd, n_out, Dd, tmp, Dd, n_out, err));
+    }
+    MC_TRY(ops->layernorm(be, z_out, Dd, n_out, Dd, m->dec_norm_w, m->dec_norm_b, MAR_LN_EPS, NULL,
+                          NULL, 0, z_out, Dd, err));
+    MC_TRY(ops->gather_rows(be, m->diff_pos, Dd, d_pos, n_out, Dd, tmp, Dd, err));
+    return ops->add_rows(be, z_out, Dd, n_out, Dd, tmp, Dd, n_out, err);
+}
+
+mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
+                                int64_t n_out, float *z_out, const mc_mar_hooks *hooks, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &m->config;
     const int64_t B = batch->n_seq, K = batch->n_known, P = c->buffer_size, S = c->seq_len;
     const int64_t D = c->width, Dd = c->dec_width, L = P + S, rows_per = P + K;
 
-    float *enc = NULL;
-    MC_TRY(encoder_forward(m, batch, &enc, err));
-
-    /* Decoder input (mar.md 3.3): every row starts as mask_token + pos
-     * (hoisted); the encoded rows replace theirs after decoder_embed. */
-    float *f = mc_mar_ws(m, WS_DEC_X, (size_t)(B * L * Dd), err);
-    float *embedded = mc_mar_ws(m, WS_GATHER, (size_t)(B * rows_per * Dd), err);
-    if (f == NULL || embedded == NULL)
+    float *x = mc_mar_ws(m, WS_ENC_X, (size_t)(B * rows_per * D), err);
+    if (x == NULL)
         return err->status;
-    for (int64_t b = 0; b < B; b++)
-        MC_TRY(ops->copy(be, f + b * L * Dd, m->dec_masked_rows, (size_t)(L * Dd) * sizeof(float), err));
-    {
-        const int64_t n = B * rows_per;
-        int32_t *host = malloc((size_t)n * 2 * sizeof(int32_t));
-        if (host == NULL)
-            return mc_fail(err, MC_ERR_NOMEM, "cannot allocate decoder indices");
-        int32_t *pos_rows = host, *dst_rows = host + n;
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < rows_per; r++) {
-                int32_t pos = r < P ? (int32_t)r : (int32_t)(P + batch->known_pos[b * K + (r - P)]);
-                pos_rows[b * rows_per + r] = pos;
-                dst_rows[b * rows_per + r] = (int32_t)(b * L + pos);
-            }
-        int32_t *d_pos = upload_index(m, WSI_A, pos_rows, n, err);
-        int32_t *d_dst = d_pos ? upload_index(m, WSI_B, dst_rows, n, err) : NULL;
-        free(host);
-        if (d_dst == NULL)
-            return err->status;
-        MC_TRY(ops->gather_rows(be, m->dec_pos, Dd, d_pos, n, Dd, embedded, Dd, err));
-        MC_TRY(ops->linear(be, enc, D, n, D, m->dec_embed_w, m->dec_embed_b, Dd, MC_ACT_NONE, 1.0f,
-                           embedded, Dd, err));
-        MC_TRY(ops->scatter_rows(be, embedded, Dd, d_dst, n, Dd, f, Dd, err));
+    MC_TRY(mc_mar_encoder_input(m, batch, x, err));
+    for (int64_t i = 0; i < c->enc_depth; i++) {
+        mc_mar_kv_io io = {0};
+        if (hooks != NULL && hooks->enc_k != NULL) {
+            io.k_store = hooks->enc_k[i];
+            io.v_store = hooks->enc_v[i];
+            io.store_seq = hooks->store_seq;
+            io.store_cap = hooks->enc_cap;
+        }
+        MC_TRY(mc_mar_block_attn(m, &m->enc_blocks[i], x, B, rows_per, D, c->enc_heads,
+                                 hooks ? &io : NULL, err));
+        MC_TRY(mc_mar_block_mlp(m, &m->enc_blocks[i], x, B * rows_per, D, c->mlp_hidden, err));
     }
-    for (int64_t i = 0; i < c->dec_depth; i++)
-        MC_TRY(block_forward(m, &m->dec_blocks[i], f, B, L, Dd, c->dec_heads, c->dec_mlp_hidden, err));
+    MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->enc_norm_w, m->enc_norm_b, MAR_LN_EPS, NULL,
+                          NULL, 0, x, D, err));
+
+    float *f = mc_mar_ws(m, WS_DEC_X, (size_t)(B * L * Dd), err);
+    if (f == NULL)
+        return err->status;
+    MC_TRY(mc_mar_decoder_init(m, f, B, err));
+    MC_TRY(mc_mar_decoder_input(m, x, B, K, batch->known_pos, f, err));
+    if (hooks != NULL && hooks->dec_input != NULL)
+        MC_TRY(ops->copy(be, hooks->dec_input, f, (size_t)(hooks->store_seq * L * Dd) * sizeof(float), err));
+    for (int64_t i = 0; i < c->dec_depth; i++) {
+        mc_mar_kv_io io = {0};
+        if (hooks != NULL && hooks->dec_k != NULL) {
+            io.k_store = hooks->dec_k[i];
+            io.v_store = hooks->dec_v[i];
+            io.store_seq = hooks->store_seq;
+            io.store_cap = L;
+        }
+        MC_TRY(mc_mar_block_attn(m, &m->dec_blocks[i], f, B, L, Dd, c->dec_heads, hooks ? &io : NULL, err));
+        MC_TRY(mc_mar_block_mlp(m, &m->dec_blocks[i], f, B * L, Dd, c->dec_mlp_hidden, err));
+    }
+    /* Condition cache: what the unconditional half adds to the conditional
+     * one at the last block's output (pre-norm). */
+    if (hooks != NULL && hooks->cond_diff != NULL) {
+        const int64_t half = B / 2;
+        MC_TRY(ops->copy(be, hooks->cond_diff, f + half * L * Dd, (size_t)(half * L * Dd) * sizeof(float), err));
+        MC_TRY(ops->axpby(be, -1.0f, f, Dd, 1.0f, hooks->cond_diff, Dd, half * L, Dd, err));
+    }
 
     /* Final norm and diffusion_pos_embed only on the rows the head needs. */
     if (n_out == 0)
@@ -545,24 +650,19 @@ mc_status mc_mar_transformer(mc_mar *m, const mc_mar_batch *batch, const int32_t
     int32_t *host = malloc((size_t)n_out * 2 * sizeof(int32_t));
     if (host == NULL)
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate output indices");
-    int32_t *src_rows = host, *pos_rows = host + n_out;
     for (int64_t i = 0; i < n_out; i++) {
         int64_t b = out_rows[i] / S, pos = out_rows[i] % S;
-        src_rows[i] = (int32_t)(b * L + P + pos);
-        pos_rows[i] = (int32_t)pos;
+        host[i] = (int32_t)(b * L + P + pos);
+        host[n_out + i] = (int32_t)pos;
     }
-    int32_t *d_src = upload_index(m, WSI_A, src_rows, n_out, err);
-    int32_t *d_pos = d_src ? upload_index(m, WSI_B, pos_rows, n_out, err) : NULL;
+    mc_status st = mc_mar_output_rows(m, f, host, host + n_out, n_out, NULL, NULL, z_out, err);
     free(host);
-    float *pos_embed = mc_mar_ws(m, WS_GATHER, (size_t)(n_out * Dd), err);
-    if (d_pos == NULL || pos_embed == NULL)
-        return err->status;
-    MC_TRY(ops->gather_rows(be, f, Dd, d_src, n_out, Dd, z_out, Dd, err));
-    MC_TRY(ops->layernorm(be, z_out, Dd, n_out, Dd, m->dec_norm_w, m->dec_norm_b, MAR_LN_EPS, NULL,
-                          NULL, 0, z_out, Dd, err));
-    MC_TRY(ops->gather_rows(be, m->diff_pos, Dd, d_pos, n_out, Dd, pos_embed, Dd, err));
-    MC_TRY(ops->add_rows(be, z_out, Dd, n_out, Dd, pos_embed, Dd, n_out, err));
-    return MC_OK;
+    return st;
+}
+
+mc_status mc_mar_transformer(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
+                             int64_t n_out, float *z_out, mc_err *err) {
+    return mc_mar_transformer_ex(m, batch, out_rows, n_out, z_out, NULL, err);
 }
 
 /* ------------------------------------------------------------------- head */
@@ -574,14 +674,26 @@ mc_status mc_mar_head_cond(mc_mar *m, const float *z, int64_t rows, float *c_emb
                                    c->head_width, err);
 }
 
+float *mc_mar_decoder_activations(mc_mar *mar) { return mar->ws.slots[WS_DEC_X]; }
+
 mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
                               const float *c_emb, int64_t t_index, float *out, mc_err *err) {
+    return mc_mar_head_forward_cached(m, x, rows, x_duplicated, c_emb, t_index, out, NULL, err);
+}
+
+mc_status mc_mar_head_forward_cached(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
+                                     const float *c_emb, int64_t t_index, float *out,
+                                     const mc_head_cache *cache, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &m->config;
     const int64_t W = c->head_width, C = c->token_channels;
+    const mc_head_mode mode = cache ? cache->mode : MC_HEAD_PLAIN;
+    const int64_t live = cache ? cache->live_rows : 0;
     if (t_index < 0 || t_index >= m->n_timesteps)
         return mc_fail(err, MC_ERR_INTERNAL, "head: timestep index %lld out of range", (long long)t_index);
+    if ((mode == MC_HEAD_RECOMPUTE || mode == MC_HEAD_REUSE) && rows != live)
+        return mc_fail(err, MC_ERR_INTERNAL, "head: cached evaluation needs the live rows only");
     float *y = mc_mar_ws(m, WS_HEAD_Y, (size_t)(rows * W), err);
     float *ada = mc_mar_ws(m, WS_HEAD_ADA, (size_t)(rows * 3 * W), err);
     float *h = mc_mar_ws(m, WS_HEAD_H, (size_t)(rows * W), err);
@@ -603,13 +715,31 @@ mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_dup
 
     for (int64_t j = 0; j < c->head_depth; j++) {
         const mc_mar_res_block *r = &m->res_blocks[j];
+        const int skipped = cache && j >= cache->skip_first && j <= cache->skip_last;
+        if (skipped && (mode == MC_HEAD_RECOMPUTE || mode == MC_HEAD_REUSE)) {
+            MC_TRY(ops->add_rows(be, h, W, rows, W, cache->delta[j], W, rows, err));
+            continue;
+        }
+        if (mode == MC_HEAD_REUSE) {
+            /* Only the gate of the modulation is needed: rows 2W..3W of the adaLN Linear. */
+            MC_TRY(ops->linear(be, y, W, rows, W, r->ada_w + 2 * W * W, r->ada_b + 2 * W, W,
+                               MC_ACT_NONE, 0.0f, ada, W, err));
+            MC_TRY(ops->gated_add(be, h, W, cache->mlp[j], W, ada, W, rows, W, err));
+            continue;
+        }
+        if (skipped && mode == MC_HEAD_STORE) /* delta = h_after - h_before, live rows */
+            MC_TRY(ops->axpby(be, -1.0f, h, W, 0.0f, cache->delta[j], W, live, W, err));
         MC_TRY(ops->linear(be, y, W, rows, W, r->ada_w, r->ada_b, 3 * W, MC_ACT_NONE, 0.0f, ada,
                            3 * W, err));
         MC_TRY(ops->layernorm(be, h, W, rows, W, r->in_ln_w, r->in_ln_b, MAR_LN_EPS, ada, ada + W,
                               3 * W, u, W, err));
         MC_TRY(ops->linear(be, u, W, rows, W, r->mlp0_w, r->mlp0_b, W, MC_ACT_SILU, 0.0f, u2, W, err));
         MC_TRY(ops->linear(be, u2, W, rows, W, r->mlp2_w, r->mlp2_b, W, MC_ACT_NONE, 0.0f, u, W, err));
+        if (!skipped && (mode == MC_HEAD_STORE || mode == MC_HEAD_RECOMPUTE))
+            MC_TRY(ops->copy(be, cache->mlp[j], u, (size_t)(live * W) * sizeof(float), err));
         MC_TRY(ops->gated_add(be, h, W, u, W, ada + 2 * W, 3 * W, rows, W, err));
+        if (skipped && mode == MC_HEAD_STORE)
+            MC_TRY(ops->axpby(be, 1.0f, h, W, 1.0f, cache->delta[j], W, live, W, err));
     }
     MC_TRY(ops->linear(be, y, W, rows, W, m->final_ada_w, m->final_ada_b, 2 * W, MC_ACT_NONE, 0.0f,
                        ada, 2 * W, err));

@@ -39,8 +39,8 @@ typedef struct mc_mar_res_block {
 
 /* Activation buffers, grown on demand and reused across steps and calls. */
 typedef struct mc_mar_workspace {
-    float *slots[24];
-    size_t slot_floats[24];
+    float *slots[28];
+    size_t slot_floats[28];
     int32_t *index_slots[8];
     size_t index_slot_count[8];
 } mc_mar_workspace;
@@ -94,6 +94,55 @@ typedef struct mc_mar_batch {
 mc_status mc_mar_transformer(mc_mar *mar, const mc_mar_batch *batch, const int32_t *out_rows,
                              int64_t n_out, float *z_out, mc_err *err);
 
+/* Where a block's fresh K/V go and what its queries attend to. With
+ * k_attend == NULL queries attend to their own fresh K/V (the plain block).
+ * Stores: row r of sequence b goes to slot store_slots[b * q_rows + r] (or r
+ * when store_slots is NULL, host memory) of a cache with store_cap rows per
+ * sequence; only the first store_seq sequences are stored. Stores happen
+ * before attention, so a query can attend to a cache that already holds its
+ * own fresh row. */
+typedef struct mc_mar_kv_io {
+    float *k_store, *v_store;
+    int64_t store_seq, store_cap;
+    const int32_t *store_slots;
+    const float *k_attend, *v_attend;
+    int64_t attend_rows, attend_cap;
+} mc_mar_kv_io;
+
+/* Caches filled by a full pass for a cache policy (all optional). Arrays of
+ * per-layer pointers may hold NULL for layers that are not cached. */
+typedef struct mc_mar_hooks {
+    int64_t store_seq;          /* sequences stored (the conditional half, or all) */
+    float **enc_k, **enc_v;     /* [enc_depth] caches of enc_cap rows per sequence */
+    int64_t enc_cap;
+    float *dec_input;           /* [store_seq, P + S, Dd] decoder input */
+    float **dec_k, **dec_v;     /* [dec_depth] caches of P + S rows per sequence */
+    float *cond_diff;           /* [B'/2, P + S, Dd]: uncond - cond at the last block */
+} mc_mar_hooks;
+
+/* Building blocks the cache policies compose (runtime/). */
+mc_status mc_mar_block_attn(mc_mar *mar, const mc_mar_block *blk, float *x, int64_t n_seq,
+                            int64_t q_rows, int64_t dim, int64_t heads, const mc_mar_kv_io *io,
+                            mc_err *err);
+mc_status mc_mar_block_mlp(mc_mar *mar, const mc_mar_block *blk, float *x, int64_t rows, int64_t dim,
+                           int64_t hidden, mc_err *err);
+/* Encoder input rows [B', P + K, D] (buffer + known tokens, z_proj_ln applied). */
+mc_status mc_mar_encoder_input(mc_mar *mar, const mc_mar_batch *batch, float *x, mc_err *err);
+/* decoder_embed of encoder rows [n_seq, P + n_tok] (positions: host [n_seq, n_tok])
+ * plus decoder_pos_embed, written into their rows of f [n_seq, P + S, Dd]. */
+mc_status mc_mar_decoder_input(mc_mar *mar, const float *enc, int64_t n_seq, int64_t n_tok,
+                               const int32_t *positions, float *f, mc_err *err);
+/* f [n_seq, P + S, Dd] = mask_token + decoder_pos_embed. */
+mc_status mc_mar_decoder_init(mc_mar *mar, float *f, int64_t n_seq, mc_err *err);
+/* z_out[i] = LN(x[src_rows[i]] (+ extra[extra_rows[i]])) + diffusion_pos_embed[positions[i]]
+ * (host index arrays). */
+mc_status mc_mar_output_rows(mc_mar *mar, const float *x, const int32_t *src_rows, const int32_t *positions,
+                             int64_t n_out, const float *extra, const int32_t *extra_rows, float *z_out,
+                             mc_err *err);
+/* The full transformer with optional cache fills. */
+mc_status mc_mar_transformer_ex(mc_mar *mar, const mc_mar_batch *batch, const int32_t *out_rows,
+                                int64_t n_out, float *z_out, const mc_mar_hooks *hooks, mc_err *err);
+
 /* Class vectors: label < 0 selects fake_latent (unconditional). */
 mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t n, float *out,
                                mc_err *err);
@@ -106,11 +155,36 @@ mc_status mc_mar_head_cond(mc_mar *mar, const float *z, int64_t rows, float *c_e
 mc_status mc_mar_head_forward(mc_mar *mar, const float *x, int64_t rows, int x_duplicated,
                               const float *c_emb, int64_t t_index, float *out, mc_err *err);
 
+/* LazyMAR's diffusion-head cache (lazymar.md 7): how one head evaluation
+ * uses and fills per-block caches of the n live (conditional) rows. */
+typedef enum mc_head_mode {
+    MC_HEAD_PLAIN = 0, /* the network as published, nothing stored */
+    MC_HEAD_STORE,     /* full evaluation; store MLP outputs and skipped-block deltas */
+    MC_HEAD_RECOMPUTE, /* live rows only; skipped blocks add their delta; MLPs recomputed and stored */
+    MC_HEAD_REUSE      /* live rows only; skipped blocks add their delta; MLPs reused, gate recomputed */
+} mc_head_mode;
+
+typedef struct mc_head_cache {
+    mc_head_mode mode;
+    int skip_first, skip_last; /* res blocks replaced by cached deltas, inclusive */
+    int64_t live_rows;         /* n: the conditional rows whose caches are kept */
+    float **mlp;               /* [head_depth] of [n, W]; NULL for skipped blocks */
+    float **delta;             /* [head_depth] of [n, W]; NULL for computed blocks */
+} mc_head_cache;
+
+mc_status mc_mar_head_forward_cached(mc_mar *mar, const float *x, int64_t rows, int x_duplicated,
+                                     const float *c_emb, int64_t t_index, float *out,
+                                     const mc_head_cache *cache, mc_err *err);
+
+/* The decoder's last activations [B', P + S, Dd] after mc_mar_transformer_ex
+ * (valid until the next transformer call). */
+float *mc_mar_decoder_activations(mc_mar *mar);
+
 /* Workspace slots 0..12 and index slots 0..2 belong to the model's forward
  * passes; callers (runtime/) use the rest. */
 enum {
     MC_MAR_WS_FIRST_FREE = 13,
-    MC_MAR_WS_SLOTS = 24,
+    MC_MAR_WS_SLOTS = 28,
     MC_MAR_WSI_FIRST_FREE = 3,
     MC_MAR_WSI_SLOTS = 8
 };

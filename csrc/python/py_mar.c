@@ -89,12 +89,75 @@ typedef struct step_callback_ctx {
 } step_callback_ctx;
 
 static PyObject *step_info_dict(const mc_step_info *s) {
-    return Py_BuildValue("{s:i,s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:d,s:d}", "step", s->step, "masked_before",
-                         (long long)s->masked_before, "predicted", (long long)s->predicted, "cfg",
-                         (double)s->cfg, "encoder_rows", (long long)s->encoder_rows, "decoder_rows",
-                         (long long)s->decoder_rows, "head_rows", (long long)s->head_rows,
-                         "head_evaluations", (long long)s->head_evaluations, "flops", s->flops,
-                         "seconds", s->seconds);
+    return Py_BuildValue("{s:i,s:O,s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:d,s:d}", "step", s->step,
+                         "full", s->full ? Py_True : Py_False, "masked_before", (long long)s->masked_before,
+                         "predicted", (long long)s->predicted, "cfg", (double)s->cfg, "encoder_rows",
+                         (long long)s->encoder_rows, "decoder_rows", (long long)s->decoder_rows,
+                         "decoder_kept_rows", (long long)s->decoder_kept_rows, "head_rows",
+                         (long long)s->head_rows, "head_evaluations", (long long)s->head_evaluations,
+                         "head_cached_evaluations", (long long)s->head_cached_evaluations,
+                         "cache_bytes", (long long)s->cache_bytes, "flops", s->flops, "seconds",
+                         s->seconds);
+}
+
+/* Reads a LazyMAR configuration from the dict marcache.LazyMAR produces
+ * (the dataclass validates; this checks presence and types). */
+static int dict_int(PyObject *d, const char *key, int *out) {
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "cache config: missing '%s'", key);
+        return -1;
+    }
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (x < -1000000 || x > 1000000) {
+        PyErr_Format(PyExc_ValueError, "cache config: '%s' = %ld is out of range", key, x);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+static int parse_lazymar(PyObject *d, mc_lazymar_config *cfg) {
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from marcache.LazyMAR");
+        return -1;
+    }
+    memset(cfg, 0, sizeof *cfg);
+    if (dict_int(d, "token_cache", &cfg->token_cache) < 0 || dict_int(d, "cond_cache", &cfg->cond_cache) < 0 ||
+        dict_int(d, "head_cache", &cfg->head_cache) < 0 || dict_int(d, "start", &cfg->start) < 0 ||
+        dict_int(d, "period", &cfg->period) < 0 || dict_int(d, "select_layer", &cfg->select_layer) < 0 ||
+        dict_int(d, "margin", &cfg->margin) < 0 || dict_int(d, "head_period", &cfg->head_period) < 0 ||
+        dict_int(d, "head_skip_first", &cfg->head_skip_first) < 0 ||
+        dict_int(d, "head_skip_last", &cfg->head_skip_last) < 0)
+        return -1;
+    PyObject *above = PyDict_GetItemString(d, "head_recompute_above");
+    PyObject *table = PyDict_GetItemString(d, "retention");
+    if (above == NULL || table == NULL) {
+        PyErr_SetString(PyExc_KeyError, "cache config: missing 'head_recompute_above' or 'retention'");
+        return -1;
+    }
+    cfg->head_recompute_above = PyFloat_AsDouble(above);
+    if (PyErr_Occurred())
+        return -1;
+    PyObject *seq = PySequence_Fast(table, "cache config: 'retention' must be a sequence");
+    if (seq == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != MC_LAZYMAR_TABLE) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "cache config: 'retention' needs %d entries", MC_LAZYMAR_TABLE);
+        return -1;
+    }
+    for (int i = 0; i < MC_LAZYMAR_TABLE; i++) {
+        cfg->retention[i] = (float)PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
 }
 
 /* Runs with the GIL released; takes it back briefly to record the step,
@@ -122,14 +185,18 @@ static int on_step(void *opaque, const mc_step_info *info) {
 
 static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"labels", "steps", "cfg", "cfg_schedule", "temperature", "seed",
-                               "first_index", "callback", NULL};
-    PyObject *labels_obj, *callback = Py_None;
+                               "first_index", "callback", "cache", NULL};
+    PyObject *labels_obj, *callback = Py_None, *cache_obj = Py_None;
     int steps = 64;
     double cfg = 1.0, temperature = 1.0;
     const char *schedule_name = "linear";
     unsigned long long seed = 0, first_index = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|idsdKKO", keywords, &labels_obj, &steps, &cfg,
-                                     &schedule_name, &temperature, &seed, &first_index, &callback))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|idsdKKOO", keywords, &labels_obj, &steps, &cfg,
+                                     &schedule_name, &temperature, &seed, &first_index, &callback,
+                                     &cache_obj))
+        return NULL;
+    mc_lazymar_config lazymar;
+    if (cache_obj != Py_None && parse_lazymar(cache_obj, &lazymar) < 0)
         return NULL;
     mc_cfg_schedule schedule;
     if (strcmp(schedule_name, "linear") == 0)
@@ -172,7 +239,7 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
     mc_mar_generate_args gen = {
         .labels = label_data, .n_images = n, .num_steps = steps, .cfg = cfg, .cfg_schedule = schedule,
         .temperature = temperature, .seed = (uint64_t)seed, .first_index = (uint32_t)first_index,
-        .on_step = on_step, .callback_ctx = &ctx,
+        .on_step = on_step, .callback_ctx = &ctx, .lazymar = cache_obj != Py_None ? &lazymar : NULL,
     };
     mc_err err = {0};
     ctx.thread_state = PyEval_SaveThread();

@@ -61,7 +61,10 @@
  *                noise_scale == 0) -> x
  *   token_normals (image uint32 [rows], position uint32 [rows]); seed
  *                (0..2**64-1), stream and step (0..65535), channels (1..64)
- *                -> out [rows,channels] */
+ *                -> out [rows,channels]
+ *   axpby        (x [rows,cols] strided, y [rows,cols]); a, b -> y = a x + b y
+ *   cosine_rows  (a [rows,H*hd] strided, b [rows,H*hd] strided); heads
+ *                -> out [rows] (mean over heads of the per-head cosine) */
 #include "py_numpy.h"
 
 #include <math.h>
@@ -1165,6 +1168,46 @@ static PyObject *run_token_normals(op_call *call) {
     return finish_op(call, status, out);
 }
 
+static PyObject *run_axpby(op_call *call) {
+    static const char *const keys[] = {"a", "b", NULL};
+    float a, b;
+    operand *x, *y;
+    if (check_param_keys(call, keys) < 0 || param_float(call, "a", 1, 0.0f, &a) < 0 ||
+        param_float(call, "b", 1, 0.0f, &b) < 0 || check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
+        fetch_array(call, 1, "y", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &y) < 0 ||
+        check_shape(call, y, (dim_rule[]){RULE_EQ(x->shape[0]), RULE_EQ(x->shape[1])}) < 0 ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->axpby(call->backend, a, x->device, operand_ld(x), b,
+                                                      y->device, operand_ld(y), x->shape[0],
+                                                      x->shape[1], &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_cosine_rows(op_call *call) {
+    static const char *const keys[] = {"heads", NULL};
+    long long heads;
+    operand *a, *b, *out;
+    if (check_param_keys(call, keys) < 0 || param_integer(call, "heads", 1, 0, 1, 4096, &heads) < 0 ||
+        check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "a", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &a) < 0 ||
+        fetch_array(call, 1, "b", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &b) < 0 ||
+        check_shape(call, b, (dim_rule[]){RULE_EQ(a->shape[0]), RULE_EQ(a->shape[1])}) < 0)
+        return NULL;
+    if (a->shape[1] % heads != 0)
+        return raise_value(call, "argument 'a': columns must be a multiple of heads");
+    int64_t rows = a->shape[0];
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 1, (int64_t[]){rows})) == NULL || upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->cosine_rows(
+                                call->backend, a->device, operand_ld(a), b->device, operand_ld(b), rows,
+                                (int)heads, (int)(a->shape[1] / heads), out->device, &call->err));
+    return finish_op(call, status, out);
+}
+
 /* ------------------------------------------------------------------------
  * The op table: name, binding, and whether a backend fills the entry. */
 
@@ -1185,6 +1228,8 @@ OP_PRESENCE(upsample_nearest2x)
 OP_PRESENCE(cfg_combine)
 OP_PRESENCE(ddpm_step)
 OP_PRESENCE(token_normals)
+OP_PRESENCE(axpby)
+OP_PRESENCE(cosine_rows)
 
 typedef struct op_entry {
     const char *name;
@@ -1200,6 +1245,7 @@ static const op_entry op_table[] = {
     OP_ENTRY(gather_rows),   OP_ENTRY(scatter_rows), OP_ENTRY(attention),
     OP_ENTRY(groupnorm),     OP_ENTRY(conv2d),      OP_ENTRY(upsample_nearest2x),
     OP_ENTRY(cfg_combine),   OP_ENTRY(ddpm_step),   OP_ENTRY(token_normals),
+    OP_ENTRY(axpby),         OP_ENTRY(cosine_rows),
 };
 
 #define OP_COUNT ((int)(sizeof op_table / sizeof op_table[0]))

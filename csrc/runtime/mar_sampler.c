@@ -9,11 +9,12 @@
 #include <time.h>
 
 #include "../core/philox.h"
+#include "flops.h"
 
 enum {
     WS_TOKENS = MC_MAR_WS_FIRST_FREE, WS_CLASS, WS_Z, WS_COND_EMB, WS_STATE, WS_HEAD_OUT, WS_EPS,
-    WS_NOISE
-};
+    WS_NOISE, WS_EPS_DELTA
+}; /* slots 22..27 belong to runtime/lazymar.c */
 enum { WSI_IMAGES = MC_MAR_WSI_FIRST_FREE, WSI_POSITIONS, WSI_SCATTER };
 
 int64_t mc_mask_len_after(int64_t seq_len, int64_t masked_before, int step, int num_steps) {
@@ -43,40 +44,30 @@ static double seconds_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static double block_flops(int64_t rows, int64_t seq_rows, int64_t n_seq, int64_t width, int64_t hidden) {
-    double r = (double)rows, x = (double)width;
-    double dense = 2.0 * r * x * 3.0 * x + 2.0 * r * x * x + 2.0 * 2.0 * r * x * (double)hidden;
-    double attention = (double)n_seq * 4.0 * (double)seq_rows * (double)seq_rows * x;
-    return dense + attention;
-}
-
-double mc_mar_step_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known, int64_t n_head,
-                         int cfg_on, int64_t diffusion_steps) {
-    if (n_head == 0)
-        return 0.0;
+double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known) {
     const int64_t P = c->buffer_size, L = P + c->seq_len, enc_len = P + n_known;
-    const double D = (double)c->width, Dd = (double)c->dec_width, W = (double)c->head_width;
-    const double C = (double)c->token_channels;
-    double f = 2.0 * (double)(n_seq * n_known) * C * D;
-    f += (double)c->enc_depth * block_flops(n_seq * enc_len, enc_len, n_seq, c->width, c->mlp_hidden);
-    f += 2.0 * (double)(n_seq * enc_len) * D * Dd;
-    f += (double)c->dec_depth * block_flops(n_seq * L, L, n_seq, c->dec_width, c->dec_mlp_hidden);
-    const double rows = (double)(cfg_on ? 2 * n_head : n_head);
-    f += 2.0 * rows * Dd * W; /* cond_embed, once per AR step */
-    double per_eval = 2.0 * (double)n_head * C * W;                       /* input_proj, live half */
-    per_eval += (double)c->head_depth * rows * (2.0 * W * 3.0 * W + 2.0 * 2.0 * W * W);
-    per_eval += rows * (2.0 * W * 2.0 * W + 2.0 * W * 2.0 * C);          /* final adaLN + linear */
-    return f + (double)diffusion_steps * per_eval;
+    double f = 2.0 * (double)(n_seq * n_known) * (double)(c->token_channels * c->width);
+    f += (double)c->enc_depth * (mc_flops_block_attn(n_seq, enc_len, enc_len, c->width) +
+                                 mc_flops_block_mlp(n_seq * enc_len, c->width, c->mlp_hidden));
+    f += 2.0 * (double)(n_seq * enc_len) * (double)(c->width * c->dec_width);
+    f += (double)c->dec_depth * (mc_flops_block_attn(n_seq, L, L, c->dec_width) +
+                                 mc_flops_block_mlp(n_seq * L, c->dec_width, c->dec_mlp_hidden));
+    return f;
 }
 
-mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
-                             int cfg_on, float cfg, double temperature, uint64_t seed,
-                             const uint32_t *images, const uint32_t *positions, float *x_out,
-                             mc_err *err) {
+mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
+                                int cfg_on, float cfg, double temperature, uint64_t seed,
+                                const uint32_t *images, const uint32_t *positions, float *x_out,
+                                mc_lazymar *lazymar, mc_head_stats *stats, mc_err *err) {
     mc_backend *be = mar->backend;
     const mc_ops *ops = be->ops;
-    const int64_t C = mar->config.token_channels, W = mar->config.head_width;
+    const mc_mar_config *c = &mar->config;
+    const int64_t C = c->token_channels, W = c->head_width;
     const int64_t rows = cfg_on ? 2 * n : n;
+    mc_head_stats local = {0};
+    if (stats == NULL)
+        stats = &local;
+    memset(stats, 0, sizeof *stats);
     if (n == 0)
         return MC_OK;
     float *c_emb = mc_mar_ws(mar, WS_COND_EMB, (size_t)(rows * W), err);
@@ -84,23 +75,58 @@ mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const f
     float *out = mc_mar_ws(mar, WS_HEAD_OUT, (size_t)(rows * 2 * C), err);
     float *eps = mc_mar_ws(mar, WS_EPS, (size_t)(n * C), err);
     float *noise = mc_mar_ws(mar, WS_NOISE, (size_t)(n * C), err);
+    float *eps_delta = mc_mar_ws(mar, WS_EPS_DELTA, (size_t)(n * C), err);
     uint32_t *d_images = (uint32_t *)mc_mar_ws_index(mar, WSI_IMAGES, (size_t)n, err);
     uint32_t *d_positions = (uint32_t *)mc_mar_ws_index(mar, WSI_POSITIONS, (size_t)n, err);
-    if (!c_emb || !state || !out || !eps || !noise || !d_images || !d_positions)
+    if (!c_emb || !state || !out || !eps || !noise || !eps_delta || !d_images || !d_positions)
         return err->status;
+    mc_head_cache cache = {0};
+    const mc_lazymar_config *lcfg = lazymar ? mc_lazymar_config_of(lazymar) : NULL;
+    const int head_cache = lcfg != NULL && lcfg->head_cache;
+    if (head_cache)
+        MC_TRY(mc_lazymar_head_cache(lazymar, n, &cache, err));
     MC_TRY(ops->upload(be, d_images, images, (size_t)n * sizeof(uint32_t), err));
     MC_TRY(ops->upload(be, d_positions, positions, (size_t)n * sizeof(uint32_t), err));
 
     MC_TRY(mc_mar_head_cond(mar, z, rows, c_emb, err));
+    stats->flops += 2.0 * (double)rows * (double)(c->dec_width * W);
     /* Initial noise is not scaled by temperature (mar.md 6.5). */
     MC_TRY(ops->token_normals(be, seed, MC_STREAM_HEAD_INIT, 0, d_images, d_positions, n, (int)C,
                               state, err));
-    for (int j = diffusion->n_steps - 1; j >= 0; j--) {
-        MC_TRY(mc_mar_head_forward(mar, state, rows, cfg_on, c_emb, j, out, err));
+    const int T = diffusion->n_steps;
+    for (int j = T - 1; j >= 0; j--) {
+        /* LazyMAR's head cache (lazymar.md 7): full evaluations at the first
+         * step and every head_period-th; in between only the live rows run,
+         * skipped blocks add cached deltas, and eps_uncond = eps_cond - delta. */
+        int full = !head_cache || j == T - 1 || j % lcfg->head_period == 0;
+        mc_head_mode mode = MC_HEAD_PLAIN;
+        if (head_cache)
+            mode = full ? MC_HEAD_STORE
+                        : ((double)j > lcfg->head_recompute_above * T ? MC_HEAD_RECOMPUTE : MC_HEAD_REUSE);
+        const int64_t eval_rows = full ? rows : n;
+        cache.mode = mode;
+        MC_TRY(mc_mar_head_forward_cached(mar, state, eval_rows, full && cfg_on, c_emb, j, out,
+                                          head_cache ? &cache : NULL, err));
+        stats->flops += mc_flops_head_eval(c, eval_rows, full ? n : eval_rows, mode,
+                                           head_cache ? lcfg->head_skip_first : 0,
+                                           head_cache ? lcfg->head_skip_last : -1);
+        if (full)
+            stats->full_evaluations++;
+        else
+            stats->cached_evaluations++;
         const float *eps_used = out;
         int64_t ld_eps = 2 * C;
-        if (cfg_on) {
+        if (cfg_on && full) {
             MC_TRY(ops->cfg_combine(be, out, 2 * C, out + n * 2 * C, 2 * C, n, (int)C, cfg, eps, C, err));
+            if (head_cache) { /* delta = eps_cond - eps_uncond */
+                MC_TRY(ops->axpby(be, 1.0f, out, 2 * C, 0.0f, eps_delta, C, n, C, err));
+                MC_TRY(ops->axpby(be, -1.0f, out + n * 2 * C, 2 * C, 1.0f, eps_delta, C, n, C, err));
+            }
+            eps_used = eps;
+            ld_eps = C;
+        } else if (cfg_on) { /* eps = eps_cond + (cfg - 1) * delta */
+            MC_TRY(ops->axpby(be, 1.0f, out, 2 * C, 0.0f, eps, C, n, C, err));
+            MC_TRY(ops->axpby(be, cfg - 1.0f, eps_delta, C, 1.0f, eps, C, n, C, err));
             eps_used = eps;
             ld_eps = C;
         }
@@ -115,6 +141,14 @@ mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const f
     if (x_out == NULL)
         return MC_OK;
     return ops->download(be, x_out, state, (size_t)(n * C) * sizeof(float), err);
+}
+
+mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
+                             int cfg_on, float cfg, double temperature, uint64_t seed,
+                             const uint32_t *images, const uint32_t *positions, float *x_out,
+                             mc_err *err) {
+    return mc_mar_head_sample_ex(mar, diffusion, z, n, cfg_on, cfg, temperature, seed, images, positions,
+                                 x_out, NULL, NULL, err);
 }
 
 static int compare_int32(const void *a, const void *b) {
@@ -182,11 +216,18 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate sampler state for %lld images", (long long)B);
     }
     mc_status st = MC_OK;
+    mc_lazymar *lazymar = NULL;
+    if (args->lazymar != NULL &&
+        mc_lazymar_create(mar, args->lazymar, B, cfg_on, &lazymar, err) != MC_OK) {
+        free_state(&g);
+        return err->status;
+    }
     float *tokens = mc_mar_ws(mar, WS_TOKENS, (size_t)(Bp * S * C), err);
     float *class_vectors = mc_mar_ws(mar, WS_CLASS, (size_t)(Bp * D), err);
     float *z = mc_mar_ws(mar, WS_Z, (size_t)(Bp * S * Dd), err);
     if (!tokens || !class_vectors || !z) {
         free_state(&g);
+        mc_lazymar_free(lazymar);
         return err->status;
     }
     for (int64_t b = 0; b < Bp; b++) {
@@ -242,13 +283,27 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
 
         /* With more steps than tokens the clamp leaves steps that predict
          * nothing (mar.md 7.5); their transformer pass would be wasted. */
+        mc_lazymar_stats lstats = {.full = 1};
+        mc_head_stats hstats = {0};
+        double transformer_flops = 0.0;
         if (n_head > 0) {
             mc_mar_batch batch = {.n_seq = Bp, .n_known = K, .tokens = tokens,
                                   .known_pos = g.known_pos, .class_vectors = class_vectors};
-            st = mc_mar_transformer(mar, &batch, g.out_rows, cfg_on ? 2 * n_head : n_head, z, err);
+            if (lazymar != NULL) {
+                mc_lazymar_step ls = {.step = step, .num_steps = args->num_steps, .n_images = B,
+                                      .cfg_on = cfg_on, .tokens = tokens, .class_vectors = class_vectors,
+                                      .known_pos = g.known_pos, .n_known = K, .pred_pos = g.pred_pos,
+                                      .n_pred = n_pred};
+                st = mc_lazymar_transformer(lazymar, &ls, z, &lstats, err);
+            } else {
+                st = mc_mar_transformer(mar, &batch, g.out_rows, cfg_on ? 2 * n_head : n_head, z, err);
+                lstats.encoder_rows = Bp * (c->buffer_size + K);
+                lstats.decoder_rows = lstats.decoder_kept_rows = Bp * (c->buffer_size + S);
+            }
+            transformer_flops = lstats.full ? mc_mar_transformer_flops(c, Bp, K) : lstats.flops;
             if (st == MC_OK)
-                st = mc_mar_head_sample(mar, diffusion, z, n_head, cfg_on, cfg_iter, args->temperature,
-                                        args->seed, g.images, g.positions, NULL, err);
+                st = mc_mar_head_sample_ex(mar, diffusion, z, n_head, cfg_on, cfg_iter, args->temperature,
+                                           args->seed, g.images, g.positions, NULL, lazymar, &hstats, err);
             if (st != MC_OK)
                 goto done;
             /* The sampled tokens are still in the head's state slot (same
@@ -277,12 +332,15 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
 
         mc_step_info info = {
             .step = step, .num_steps = args->num_steps, .masked_before = masked_before + n_pred,
-            .predicted = n_pred, .cfg = cfg_iter,
-            .encoder_rows = n_head ? Bp * (c->buffer_size + K) : 0,
-            .decoder_rows = n_head ? Bp * (c->buffer_size + S) : 0,
+            .predicted = n_pred, .cfg = cfg_iter, .full = lstats.full,
+            .encoder_rows = n_head ? lstats.encoder_rows : 0,
+            .decoder_rows = n_head ? lstats.decoder_rows : 0,
+            .decoder_kept_rows = n_head ? lstats.decoder_kept_rows : 0,
             .head_rows = n_head ? (cfg_on ? 2 * n_head : n_head) : 0,
-            .head_evaluations = n_head ? diffusion->n_steps : 0,
-            .flops = mc_mar_step_flops(c, Bp, K, n_head, cfg_on, diffusion->n_steps),
+            .head_evaluations = hstats.full_evaluations + hstats.cached_evaluations,
+            .head_cached_evaluations = hstats.cached_evaluations,
+            .cache_bytes = lazymar ? (int64_t)mc_lazymar_cache_bytes(lazymar) : 0,
+            .flops = transformer_flops + hstats.flops,
             .seconds = seconds_now() - t0,
         };
         if (steps_out != NULL)
@@ -295,5 +353,6 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
     st = ops->download(be, tokens_out, tokens, (size_t)(B * S * C) * sizeof(float), err);
 done:
     free_state(&g);
+    mc_lazymar_free(lazymar);
     return st;
 }

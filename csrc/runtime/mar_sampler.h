@@ -7,6 +7,7 @@
 
 #include "../models/mar.h"
 #include "diffusion.h"
+#include "lazymar.h"
 
 typedef enum mc_cfg_schedule { MC_CFG_LINEAR = 0, MC_CFG_CONSTANT = 1 } mc_cfg_schedule;
 
@@ -23,8 +24,12 @@ typedef struct mc_step_info {
     float cfg;                /* cfg_iter used by the head */
     int64_t encoder_rows;     /* rows through each encoder block (all sequences) */
     int64_t decoder_rows;     /* rows through each decoder block */
-    int64_t head_rows;        /* rows of every head evaluation */
+    int full;                 /* 1 unless a cache policy made this a cached step */
+    int64_t decoder_kept_rows; /* rows after the selection layer (= decoder_rows when not pruned) */
+    int64_t head_rows;        /* rows of a full head evaluation */
     int64_t head_evaluations; /* diffusion steps run */
+    int64_t head_cached_evaluations; /* of which ran from the head cache */
+    int64_t cache_bytes;      /* bytes held by the cache policy */
     double flops;             /* GEMM + attention FLOPs of this step */
     double seconds;
 } mc_step_info;
@@ -44,6 +49,7 @@ typedef struct mc_mar_generate_args {
     uint32_t first_index;
     mc_step_callback on_step;
     void *callback_ctx;
+    const mc_lazymar_config *lazymar; /* NULL: no caching */
 } mc_mar_generate_args;
 
 /* Generates tokens [n_images, S, C] into host memory; `steps_out` (may be
@@ -61,9 +67,18 @@ mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const f
                              const uint32_t *images, const uint32_t *positions, float *x_out,
                              mc_err *err);
 
-/* FLOPs of one AR step: GEMMs and attention matmuls, 2 per multiply-add
- * (the convention of mar.md 13). */
-double mc_mar_step_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known, int64_t n_images_rows,
-                         int cfg_on, int64_t diffusion_steps);
+typedef struct mc_head_stats {
+    int64_t full_evaluations, cached_evaluations;
+    double flops;
+} mc_head_stats;
+
+/* The head sampler with LazyMAR's head cache when `lazymar` has it on. */
+mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
+                                int cfg_on, float cfg, double temperature, uint64_t seed,
+                                const uint32_t *images, const uint32_t *positions, float *x_out,
+                                mc_lazymar *lazymar, mc_head_stats *stats, mc_err *err);
+
+/* FLOPs of the uncached transformer of one AR step (runtime/flops.h rules). */
+double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known);
 
 #endif

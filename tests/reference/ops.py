@@ -289,3 +289,23 @@ def token_normals(seed, stream, step, image, position, channels):
     """ops.h token_normals: row i gets the `channels` Philox normals of
     (seed, image[i], stream, position[i], step); float32 [rows, channels]."""
     return philox.token_normals(seed, image, position, stream, step, channels)
+
+
+def axpby(a, x, b, y):
+    """y = a * x + b * y; with b == 0 the old y is not read (it may hold anything)."""
+    x = f64(x)
+    if b == 0:
+        return a * x
+    return a * x + b * f64(y)
+
+
+def cosine_rows(a, b, heads, eps=1e-8):
+    """Mean over heads of the cosine between matching head slices of rows of a
+    and b (torch.nn.functional.cosine_similarity: a.b / max(|a| |b|, eps))."""
+    a, b = f64(a), f64(b)
+    rows, cols = a.shape
+    a = a.reshape(rows, heads, cols // heads)
+    b = b.reshape(rows, heads, cols // heads)
+    dot = (a * b).sum(-1)
+    denom = np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), eps)
+    return (dot / denom).mean(-1)

@@ -153,6 +153,8 @@ static const mc_ops cpu_ops = {
     .cfg_combine = mc_cpu_cfg_combine,
     .ddpm_step = mc_cpu_ddpm_step,
     .token_normals = mc_cpu_token_normals,
+    .axpby = mc_cpu_axpby,
+    .cosine_rows = mc_cpu_cosine_rows,
 };
 
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {

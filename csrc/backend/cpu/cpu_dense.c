@@ -205,3 +205,43 @@ mc_status mc_cpu_token_normals(mc_backend *be, uint64_t seed, uint32_t stream, u
                                 out + r * channels);
     return MC_OK;
 }
+
+mc_status mc_cpu_axpby(mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y,
+                       int64_t ldy, int64_t rows, int64_t cols, mc_err *err) {
+    (void)err;
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * cols >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        if (b == 0.0f)
+            for (int64_t i = 0; i < cols; i++)
+                yr[i] = a * xr[i];
+        else
+            for (int64_t i = 0; i < cols; i++)
+                yr[i] = a * xr[i] + b * yr[i];
+    }
+    return MC_OK;
+}
+
+mc_status mc_cpu_cosine_rows(mc_backend *be, const float *a, int64_t lda, const float *b,
+                             int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
+                             mc_err *err) {
+    (void)err;
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * heads * head_dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        double total = 0.0;
+        for (int h = 0; h < heads; h++) {
+            const float *ar = a + r * lda + (int64_t)h * head_dim, *br = b + r * ldb + (int64_t)h * head_dim;
+            double dot = 0.0, na = 0.0, nb = 0.0;
+            for (int i = 0; i < head_dim; i++) {
+                dot += (double)ar[i] * br[i];
+                na += (double)ar[i] * ar[i];
+                nb += (double)br[i] * br[i];
+            }
+            double denom = sqrt(na) * sqrt(nb);
+            total += dot / (denom > 1e-8 ? denom : 1e-8);
+        }
+        out[r] = (float)(total / heads);
+    }
+    return MC_OK;
+}

@@ -61,6 +61,12 @@ mc_status mc_cpu_token_normals(mc_backend *be, uint64_t seed, uint32_t stream, u
                                const uint32_t *image, const uint32_t *position, int64_t rows,
                                int channels, float *out, mc_err *err);
 
+mc_status mc_cpu_axpby(mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y,
+                       int64_t ldy, int64_t rows, int64_t cols, mc_err *err);
+mc_status mc_cpu_cosine_rows(mc_backend *be, const float *a, int64_t lda, const float *b,
+                             int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
+                             mc_err *err);
+
 /* Elementwise kernels shared by several ops. */
 float mc_gelu_erf(float x);
 float mc_silu(float x);
