@@ -12,7 +12,7 @@ from ._loader import preload_blas as _preload_blas
 _preload_blas()
 
 from . import _C  # noqa: E402
-from .caches import LazyMAR, NoCache  # noqa: E402
+from .caches import LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, load  # noqa: E402
 
@@ -24,5 +24,5 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["load", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "flops", "MAR_CONFIGS", "build_info",
+__all__ = ["load", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "flops", "MAR_CONFIGS", "build_info",
            "__version__"]

@@ -133,10 +133,112 @@ class LazyMAR:
         return min(rows, max(predicted + predicted_before + self.margin, by_table))
 
     def as_dict(self):
-        d = asdict(self)
-        for flag in ("token_cache", "cond_cache", "head_cache"):
-            d[flag] = int(d[flag])
-        d["retention"] = list(self.retention)
+        """The C runtime's configuration (one struct serves LazyMAR and MARche)."""
+        d = _engine_defaults()
+        d.update(encoder_cache=int(self.token_cache), decoder_mode=DECODER_LAZYMAR if self.token_cache else DECODER_FULL,
+                 cond_cache=int(self.cond_cache), head_cache=int(self.head_cache), start=self.start,
+                 period=self.period, retention=list(self.retention), select_layer=self.select_layer,
+                 margin=self.margin, head_period=self.head_period, head_skip_first=self.head_skip_first,
+                 head_skip_last=self.head_skip_last, head_recompute_above=float(self.head_recompute_above))
+        return d
+
+
+DECODER_FULL, DECODER_LAZYMAR, DECODER_MARCHE = 0, 1, 2
+
+
+def _engine_defaults():
+    return dict(encoder_cache=0, decoder_mode=DECODER_FULL, cond_cache=0, head_cache=0, start=0, period=1,
+                retention=[1.0] * 64, select_layer=0, margin=0, budget=1, full_layers=1, marche_select_layer=0,
+                image_candidates=0, refresh_low=0, head_period=7, head_skip_first=1, head_skip_last=4,
+                head_recompute_above=0.9)
+
+
+@dataclass(frozen=True)
+class MARche:
+    """MARche (Jiang et al., arXiv 2506.12035): cache-aware attention with selective KV refresh.
+
+    The paper has no public code; this follows marcache's spec (marche.md), with
+    every choice the paper leaves open exposed as a field.
+
+    Step s is a *full refresh* step when ``s % refresh_period == refresh_phase``
+    or ``s < refresh_phase`` (step 0 is always full): the plain model runs and
+    the K/V of every decoder layer after the full prefix are cached. On the other
+    steps the decoder layers ``1..full_layers`` (1-based, as in the paper) run on
+    every row; inside layer ``select_layer`` the attention probabilities that the
+    *generating* rows (predicted now) put on each row are summed over heads and
+    generating queries, and the rows with the most mass become *refreshing* rows.
+    The *active* set is generating + *caching* rows (predicted last step) +
+    refreshing rows, ``max(budget, generating + caching)`` rows per sequence.
+    The later layers run only on active rows: their fresh K/V are written back
+    into each layer's cache and they attend to every row (fresh K/V for active
+    rows, cached K/V for the others; this is exactly attention over the union,
+    the online-softmax merge of the two parts). The FFN runs on active rows only.
+
+    Decisions where the paper is silent, as fields:
+    ``select_layer=2`` (the paper says layer 2 in sections 4.2/5.3 and layer 1 in 4.3/App. D);
+    ``candidates="all"`` (buffer rows may be refreshed; ``"image"`` restricts to image rows);
+    ``refresh="high"`` (``"low"`` is the paper's ablation); selection per sequence, CFG halves
+    separately; ties go to the lower row; the encoder runs in full (``encoder_cache=True`` is
+    the labelled extension E1: LazyMAR's encoder token cache, not in the paper).
+    Composition beyond both papers: ``cond_cache=True`` adds LazyMAR's condition cache
+    (only the conditional half is computed on cached steps; the unconditional output is
+    cond + the diff of the last full step) and ``head_cache=True`` LazyMAR's diffusion-head
+    cache with LazyMAR's default head settings (``head_period`` etc.).
+    With ``budget >= 320`` every row is active and the output equals NoCache.
+    """
+
+    budget: int = 64
+    select_layer: int = 2
+    full_layers: int = 2
+    refresh_period: int = 3
+    refresh_phase: int = 0
+    candidates: str = "all"
+    refresh: str = "high"
+    encoder_cache: bool = False
+    cond_cache: bool = False
+    head_cache: bool = False
+    head_period: int = 7
+    head_skip_first: int = 1
+    head_skip_last: int = 4
+    head_recompute_above: float = 0.9
+
+    name = "marche"
+
+    def __post_init__(self):
+        for flag in ("encoder_cache", "cond_cache", "head_cache"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"MARche.{flag} must be True or False, got {getattr(self, flag)!r}")
+        for name, low in (("budget", 1), ("select_layer", 1), ("full_layers", 1), ("refresh_period", 1),
+                          ("refresh_phase", 0), ("head_period", 1), ("head_skip_first", 0), ("head_skip_last", -1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"MARche.{name} must be an integer >= {low}, got {value!r}")
+        if self.select_layer > self.full_layers:
+            raise ValueError(f"MARche.select_layer ({self.select_layer}) must be one of the full layers "
+                             f"1..full_layers ({self.full_layers})")
+        if self.candidates not in ("all", "image"):
+            raise ValueError(f"MARche.candidates must be 'all' or 'image', got {self.candidates!r}")
+        if self.refresh not in ("high", "low"):
+            raise ValueError(f"MARche.refresh must be 'high' or 'low', got {self.refresh!r}")
+        if not 0.0 <= self.head_recompute_above <= 1.0:
+            raise ValueError("MARche.head_recompute_above must be in [0, 1]")
+
+    def is_full_step(self, step):
+        return step < self.refresh_phase or (step - self.refresh_phase) % self.refresh_period == 0
+
+    def active_rows(self, generating, caching, rows=320, image_rows=256):
+        candidates = (image_rows if self.candidates == "image" else rows) - generating - caching
+        forced = generating + caching
+        return min(rows, min(max(self.budget, forced), forced + candidates))
+
+    def as_dict(self):
+        d = _engine_defaults()
+        d.update(encoder_cache=int(self.encoder_cache), decoder_mode=DECODER_MARCHE, cond_cache=int(self.cond_cache),
+                 head_cache=int(self.head_cache), start=self.refresh_phase, period=self.refresh_period,
+                 budget=self.budget, full_layers=self.full_layers, marche_select_layer=self.select_layer - 1,
+                 image_candidates=int(self.candidates == "image"), refresh_low=int(self.refresh == "low"),
+                 head_period=self.head_period, head_skip_first=self.head_skip_first,
+                 head_skip_last=self.head_skip_last, head_recompute_above=float(self.head_recompute_above))
         return d
 
 
@@ -144,6 +246,7 @@ def resolve(cache):
     """Returns a validated cache config (None means NoCache)."""
     if cache is None:
         return NoCache()
-    if isinstance(cache, (NoCache, LazyMAR)):
+    if isinstance(cache, (NoCache, LazyMAR, MARche)):
         return cache
-    raise TypeError(f"cache must be None, marcache.NoCache() or marcache.LazyMAR(...), got {cache!r}")
+    raise TypeError(f"cache must be None, marcache.NoCache(), marcache.LazyMAR(...) or marcache.MARche(...), "
+                    f"got {cache!r}")

@@ -125,9 +125,11 @@ class MARModel:
             raise ValueError(f"first_index must be an integer >= 0 with first_index + N <= 2**32, got {first_index!r}")
         cache = _resolve_cache(cache)
         cache_dict = cache.as_dict() if hasattr(cache, "as_dict") else None
-        if cache_dict is not None and cache.select_layer >= self._mar.config["decoder_depth"]:
-            raise ValueError(f"LazyMAR.select_layer={cache.select_layer} but the decoder has "
-                             f"{self._mar.config['decoder_depth']} layers")
+        depth = self._mar.config["decoder_depth"]
+        if cache.name == "lazymar" and cache.token_cache and cache.select_layer >= depth:
+            raise ValueError(f"LazyMAR.select_layer={cache.select_layer} but the decoder has {depth} layers")
+        if cache.name == "marche" and cache.full_layers > depth:
+            raise ValueError(f"MARche.full_layers={cache.full_layers} but the decoder has {depth} layers")
         bar = None
         callback = None
         if progress:

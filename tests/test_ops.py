@@ -154,7 +154,13 @@ def ref_cosine_rows(inputs, p):
     return ref.cosine_rows(a, b, p["heads"])
 
 
+def ref_attention_mass(inputs, p):
+    q, k = inputs
+    return ref.attention_mass(q, k, p["heads"], p.get("scale"))
+
+
 REFERENCES = {
+    "attention_mass": ref_attention_mass,
     "axpby": ref_axpby,
     "cosine_rows": ref_cosine_rows,
     "gemm": ref_gemm,
@@ -599,6 +605,24 @@ case("cosine_rows", "1x1x1")(cosine_builder(1, 1, 1))
 case("cosine_rows", "17x12x64-correlated")(cosine_builder(17, 12, 64, correlated=True))
 case("cosine_rows", "33x16x80-strided")(cosine_builder(33, 16, 80, strided=True))
 case("cosine_rows", "5x3x7-zero-row")(cosine_builder(5, 3, 7, zero_row=True))
+
+
+# attention_mass: head dims 64 and 80, one query, several, keys of odd length.
+def attention_mass_builder(batch, nq, keys, heads, hd, scale=None):
+    def build(rng):
+        q = randn(rng, batch, nq, heads * hd)
+        k = randn(rng, batch, keys, heads * hd)
+        params = {"heads": heads}
+        if scale is not None:
+            params["scale"] = f32(scale)
+        return (q, k), params
+    return build
+
+
+case("attention_mass", "1x1x1-h1")(attention_mass_builder(1, 1, 1, 1, 1))
+case("attention_mass", "2x3x320-h12x64")(attention_mass_builder(2, 3, 320, 12, 64))
+case("attention_mass", "3x7x33-h16x80")(attention_mass_builder(3, 7, 33, 16, 80))
+case("attention_mass", "2x5x17-h2x8-scale0.3")(attention_mass_builder(2, 5, 17, 2, 8, scale=0.3))
 
 
 # --------------------------------------------------------------------------

@@ -153,6 +153,15 @@ struct mc_ops {
     mc_status (*cosine_rows)(mc_backend *be, const float *a, int64_t lda, const float *b,
                              int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
                              mc_err *err);
+
+    /* Attention mass: for each batch item b, out[b, j] = sum over heads h
+     * and the nq query rows i of softmax_j(scale * q_bhi . k_bhj), over the
+     * `keys` key rows (layouts as in attention). MARche picks the rows that
+     * the tokens being generated attend to most. */
+    mc_status (*attention_mass)(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                                float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                                const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
+                                float *out, mc_err *err);
 };
 
 struct mc_backend {

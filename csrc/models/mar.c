@@ -676,6 +676,8 @@ mc_status mc_mar_head_cond(mc_mar *m, const float *z, int64_t rows, float *c_emb
 
 float *mc_mar_decoder_activations(mc_mar *mar) { return mar->ws.slots[WS_DEC_X]; }
 
+const float *mc_mar_last_qkv(mc_mar *mar) { return mar->ws.slots[WS_QKV]; }
+
 mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
                               const float *c_emb, int64_t t_index, float *out, mc_err *err) {
     return mc_mar_head_forward_cached(m, x, rows, x_duplicated, c_emb, t_index, out, NULL, err);

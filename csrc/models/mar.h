@@ -179,6 +179,8 @@ mc_status mc_mar_head_forward_cached(mc_mar *mar, const float *x, int64_t rows, 
 /* The decoder's last activations [B', P + S, Dd] after mc_mar_transformer_ex
  * (valid until the next transformer call). */
 float *mc_mar_decoder_activations(mc_mar *mar);
+/* The fused qkv [rows, 3 * dim] of the last mc_mar_block_attn call. */
+const float *mc_mar_last_qkv(mc_mar *mar);
 
 /* Workspace slots 0..12 and index slots 0..2 belong to the model's forward
  * passes; callers (runtime/) use the rest. */

@@ -121,11 +121,15 @@ static int dict_int(PyObject *d, const char *key, int *out) {
 
 static int parse_lazymar(PyObject *d, mc_lazymar_config *cfg) {
     if (!PyDict_Check(d)) {
-        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from marcache.LazyMAR");
+        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from marcache.LazyMAR / marcache.MARche");
         return -1;
     }
     memset(cfg, 0, sizeof *cfg);
-    if (dict_int(d, "token_cache", &cfg->token_cache) < 0 || dict_int(d, "cond_cache", &cfg->cond_cache) < 0 ||
+    if (dict_int(d, "encoder_cache", &cfg->encoder_cache) < 0 || dict_int(d, "decoder_mode", &cfg->decoder_mode) < 0 ||
+        dict_int(d, "budget", &cfg->budget) < 0 || dict_int(d, "full_layers", &cfg->full_layers) < 0 ||
+        dict_int(d, "marche_select_layer", &cfg->marche_select_layer) < 0 ||
+        dict_int(d, "image_candidates", &cfg->image_candidates) < 0 ||
+        dict_int(d, "refresh_low", &cfg->refresh_low) < 0 || dict_int(d, "cond_cache", &cfg->cond_cache) < 0 ||
         dict_int(d, "head_cache", &cfg->head_cache) < 0 || dict_int(d, "start", &cfg->start) < 0 ||
         dict_int(d, "period", &cfg->period) < 0 || dict_int(d, "select_layer", &cfg->select_layer) < 0 ||
         dict_int(d, "margin", &cfg->margin) < 0 || dict_int(d, "head_period", &cfg->head_period) < 0 ||

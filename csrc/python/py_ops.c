@@ -64,7 +64,9 @@
  *                -> out [rows,channels]
  *   axpby        (x [rows,cols] strided, y [rows,cols]); a, b -> y = a x + b y
  *   cosine_rows  (a [rows,H*hd] strided, b [rows,H*hd] strided); heads
- *                -> out [rows] (mean over heads of the per-head cosine) */
+ *                -> out [rows] (mean over heads of the per-head cosine)
+ *   attention_mass (q [B,nq,H*hd], k [B,keys,H*hd]); heads, scale=hd**-0.5
+ *                -> out [B,keys] (softmax probabilities summed over heads and queries) */
 #include "py_numpy.h"
 
 #include <math.h>
@@ -1208,6 +1210,32 @@ static PyObject *run_cosine_rows(op_call *call) {
     return finish_op(call, status, out);
 }
 
+static PyObject *run_attention_mass(op_call *call) {
+    static const char *const keys[] = {"heads", "scale", NULL};
+    long long heads;
+    operand *q, *k, *out;
+    if (check_param_keys(call, keys) < 0 || param_integer(call, "heads", 1, 0, 1, 4096, &heads) < 0 ||
+        check_arity(call, 2, 2) < 0 ||
+        fetch_array(call, 0, "q", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &q) < 0 ||
+        fetch_array(call, 1, "k", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &k) < 0 ||
+        check_shape(call, k, (dim_rule[]){RULE_EQ(q->shape[0]), RULE_GE(0), RULE_EQ(q->shape[2])}) < 0)
+        return NULL;
+    if (q->shape[2] % heads != 0)
+        return raise_value(call, "argument 'q': columns must be a multiple of heads");
+    const int64_t head_dim = q->shape[2] / heads;
+    float scale;
+    if (param_float(call, "scale", 0, (float)(1.0 / sqrt((double)head_dim)), &scale) < 0)
+        return NULL;
+    const int64_t batch = q->shape[0], nq = q->shape[1], nkeys = k->shape[1], width = q->shape[2];
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){batch, nkeys})) == NULL || upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->attention_mass(
+                                call->backend, batch, nq, (int)heads, (int)head_dim, scale, q->device, width,
+                                nq * width, k->device, width, nkeys * width, nkeys, out->device, &call->err));
+    return finish_op(call, status, out);
+}
+
 /* ------------------------------------------------------------------------
  * The op table: name, binding, and whether a backend fills the entry. */
 
@@ -1230,6 +1258,7 @@ OP_PRESENCE(ddpm_step)
 OP_PRESENCE(token_normals)
 OP_PRESENCE(axpby)
 OP_PRESENCE(cosine_rows)
+OP_PRESENCE(attention_mass)
 
 typedef struct op_entry {
     const char *name;
@@ -1245,7 +1274,7 @@ static const op_entry op_table[] = {
     OP_ENTRY(gather_rows),   OP_ENTRY(scatter_rows), OP_ENTRY(attention),
     OP_ENTRY(groupnorm),     OP_ENTRY(conv2d),      OP_ENTRY(upsample_nearest2x),
     OP_ENTRY(cfg_combine),   OP_ENTRY(ddpm_step),   OP_ENTRY(token_normals),
-    OP_ENTRY(axpby),         OP_ENTRY(cosine_rows),
+    OP_ENTRY(axpby),         OP_ENTRY(cosine_rows), OP_ENTRY(attention_mass),
 };
 
 #define OP_COUNT ((int)(sizeof op_table / sizeof op_table[0]))

@@ -12,12 +12,28 @@
 
 #define MC_LAZYMAR_TABLE 64
 
+/* How a cached step runs the decoder. */
+typedef enum mc_decoder_mode {
+    MC_DECODER_FULL = 0,    /* every layer on every row */
+    MC_DECODER_LAZYMAR = 1, /* LazyMAR: rank rows by V cosine at select_layer, keep the least similar */
+    MC_DECODER_MARCHE = 2   /* MARche: active set by attention mass at marche_select_layer */
+} mc_decoder_mode;
+
+/* One configuration for both published methods and their compositions
+ * (marcache.LazyMAR and marcache.MARche fill it). */
 typedef struct mc_lazymar_config {
-    int token_cache, cond_cache, head_cache;
+    int encoder_cache;                     /* encoder token cache (LazyMAR's; MARche's option E1) */
+    int decoder_mode;                      /* mc_decoder_mode */
+    int cond_cache, head_cache;
     int start, period;                     /* full: s < start or (s - start) % period == 0 */
     float retention[MC_LAZYMAR_TABLE];     /* kept fraction of the P + S decoder rows, 64-step table */
-    int select_layer;                      /* 0-based decoder layer whose V ranks tokens */
+    int select_layer;                      /* LazyMAR: 0-based decoder layer whose V ranks tokens */
     int margin;                            /* rows kept beyond predicted now + predicted last step */
+    int budget;                            /* MARche: active rows per sequence */
+    int full_layers;                       /* MARche: decoder layers 0..full_layers-1 run on every row */
+    int marche_select_layer;               /* MARche: 0-based layer whose attention picks refreshing rows */
+    int image_candidates;                  /* MARche: refreshing rows only among image rows */
+    int refresh_low;                       /* MARche ablation: refresh the least attended rows */
     int head_period;                       /* head full timesteps: the first, and j % period == 0 */
     int head_skip_first, head_skip_last;   /* head res blocks replaced by cached deltas */
     double head_recompute_above;           /* cached timesteps j > this * T recompute the MLPs */
@@ -34,6 +50,11 @@ float mc_lazymar_retention(const mc_lazymar_config *cfg, int step, int num_steps
 /* Decoder rows kept per sequence on a cached step. */
 int64_t mc_lazymar_keep(const mc_lazymar_config *cfg, int step, int num_steps, int64_t predicted,
                         int64_t predicted_before, int64_t rows);
+
+/* MARche active rows per sequence: max(budget, generating + caching), at
+ * most what the candidates allow and at most `rows`. */
+int64_t mc_marche_active_count(const mc_lazymar_config *cfg, int64_t generating, int64_t caching, int64_t rows,
+                               int64_t candidates);
 
 typedef struct mc_lazymar mc_lazymar;
 

@@ -309,3 +309,17 @@ def cosine_rows(a, b, heads, eps=1e-8):
     dot = (a * b).sum(-1)
     denom = np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), eps)
     return (dot / denom).mean(-1)
+
+
+def attention_mass(q, k, heads, scale=None):
+    """out[b, j] = sum over heads and query rows of softmax_j(scale q.k_j)
+    (MARche's relevance of key rows to the queries). q [B, nq, H*hd], k [B, keys, H*hd]."""
+    q, k = f64(q), f64(k)
+    B, nq, cols = q.shape
+    hd = cols // heads
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
+    out = np.zeros((B, k.shape[1]))
+    for h in range(heads):
+        qs, ks = q[:, :, h * hd:(h + 1) * hd], k[:, :, h * hd:(h + 1) * hd]
+        out += softmax(scale * np.einsum("bid,bjd->bij", qs, ks), axis=-1).sum(axis=1)
+    return out

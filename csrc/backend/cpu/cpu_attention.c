@@ -85,3 +85,42 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
     }
     return MC_OK;
 }
+
+mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                                float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                                const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
+                                float *out, mc_err *err) {
+    if (batch == 0 || keys == 0)
+        return MC_OK;
+    int threads = mc_cpu_threads(be);
+    if (threads > batch)
+        threads = (int)batch;
+    if (threads > 64)
+        threads = 64;
+    float *scores[64];
+    for (int t = 0; t < threads; t++) {
+        scores[t] = mc_cpu_scratch(be, t, (size_t)(nq * keys + 1), err);
+        if (scores[t] == NULL)
+            return err->status;
+    }
+    /* One batch item per task so each output row has a single writer, and
+     * the sum over heads and queries runs in a fixed order (deterministic). */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t b = 0; b < batch; b++) {
+        float *s = scores[omp_get_thread_num()];
+        float *ob = out + b * keys;
+        for (int64_t j = 0; j < keys; j++)
+            ob[j] = 0.0f;
+        for (int h = 0; h < heads; h++) {
+            if (nq == 0)
+                break;
+            mc_cpu_sgemm(1, 0, 1, nq, keys, head_dim, scale, q + b * q_bstride + (int64_t)h * head_dim, ldq,
+                         k + b * k_bstride + (int64_t)h * head_dim, ldk, 0.0f, s, keys);
+            softmax_rows_inplace(s, nq, keys, keys);
+            for (int64_t i = 0; i < nq; i++)
+                for (int64_t j = 0; j < keys; j++)
+                    ob[j] += s[i * keys + j];
+        }
+    }
+    return MC_OK;
+}

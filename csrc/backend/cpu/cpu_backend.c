@@ -155,6 +155,7 @@ static const mc_ops cpu_ops = {
     .token_normals = mc_cpu_token_normals,
     .axpby = mc_cpu_axpby,
     .cosine_rows = mc_cpu_cosine_rows,
+    .attention_mass = mc_cpu_attention_mass,
 };
 
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {

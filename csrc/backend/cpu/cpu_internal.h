@@ -67,6 +67,11 @@ mc_status mc_cpu_cosine_rows(mc_backend *be, const float *a, int64_t lda, const 
                              int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
                              mc_err *err);
 
+mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                                float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                                const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
+                                float *out, mc_err *err);
+
 /* Elementwise kernels shared by several ops. */
 float mc_gelu_erf(float x);
 float mc_silu(float x);
