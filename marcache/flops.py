@@ -73,6 +73,25 @@ def _token_cached_transformer(c, lz, n_seq, known, predicted, predicted_before, 
     return enc, dec
 
 
+def _cached_encoder(c, n_seq, known, predicted_before, encoder_cache):
+    """Encoder and decoder_embed FLOPs of a cached step."""
+    P, C, D, Dd = c["buffer_size"], c["token_channels"], c["width"], c["decoder_width"]
+    if encoder_cache:
+        q, keys, new = P + predicted_before, P + known, predicted_before
+    else:
+        q, keys, new = P + known, P + known, known
+    enc = 2 * n_seq * new * C * D + c["depth"] * (_attn(n_seq, q, keys, D) + _mlp(n_seq * q, D, c["mlp_hidden"]))
+    return enc, 2 * n_seq * q * D * Dd
+
+
+def _marche_decoder(c, mc_cfg, n_seq, predicted, predicted_before):
+    P, S, Dd = c["buffer_size"], c["seq_len"], c["decoder_width"]
+    L, hidden, F = P + S, c["decoder_mlp_hidden"], mc_cfg.full_layers
+    active = mc_cfg.active_rows(predicted, predicted_before, L, S)
+    return F * (_attn(n_seq, L, L, Dd) + _mlp(n_seq * L, Dd, hidden)) + 2 * n_seq * predicted * L * Dd + \
+        (c["decoder_depth"] - F) * (_attn(n_seq, active, L, Dd) + _mlp(n_seq * active, Dd, hidden))
+
+
 def _head_eval(c, rows, x_rows, mode, skip=(0, -1), reference=False):
     """One head evaluation; mode is "plain", "store", "recompute" or "reuse".
     reference=True counts what the official PyTorch code computes: the time
@@ -132,7 +151,8 @@ def flops(model_or_name, steps=64, cfg=1.0, cache=None, batch=1, diffusion_steps
         diffusion_steps = c.get("diffusion_steps", diffusion_steps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    lz = cache if getattr(cache, "name", "none") == "lazymar" else None
+    lz = cache if getattr(cache, "name", "none") in ("lazymar", "marche") else None
+    marche = lz is not None and lz.name == "marche"
     cfg_on = cfg != 1.0
     cond_cache = lz is not None and lz.cond_cache and cfg_on
     n_seq = (2 if cfg_on else 1) * batch
@@ -146,7 +166,10 @@ def flops(model_or_name, steps=64, cfg=1.0, cache=None, batch=1, diffusion_steps
             per_step.append(0.0)
             continue
         known = S - masked_before
-        if lz is None or lz.is_full_step(step) or not (lz.token_cache or cond_cache):
+        if marche and not lz.is_full_step(step):
+            e, embed = _cached_encoder(c, n_cache_seq, known, predicted_before, lz.encoder_cache)
+            d = embed + _marche_decoder(c, lz, n_cache_seq, predicted, predicted_before)
+        elif lz is None or marche or lz.is_full_step(step) or not (lz.token_cache or cond_cache):
             e, d = _plain_transformer(c, n_seq, known)
         elif lz.token_cache:
             e, d = _token_cached_transformer(c, lz, n_cache_seq, known, predicted, predicted_before, step,
