@@ -107,8 +107,12 @@ class MARModel:
         return arr.astype(np.int32)
 
     def generate_tokens(self, labels=None, steps=64, cfg=1.0, cfg_schedule="linear", temperature=1.0, seed=0,
-                        first_index=0, cache=None, progress=False, num_images=None, return_info=False):
-        """Like generate() but returns the latent tokens [N, S, C] instead of images."""
+                        first_index=0, cache=None, progress=False, num_images=None, return_info=False,
+                        trace_rows=False):
+        """Like generate() but returns the latent tokens [N, S, C] instead of images.
+
+        trace_rows=True adds to each cached step's telemetry the decoder rows a cache
+        policy kept (LazyMAR) or made active (MARche): int32 [sequences, rows], ascending."""
         label_arr = self._labels(labels, num_images)
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -144,7 +148,7 @@ class MARModel:
             tokens, step_infos = self._mar.generate(label_arr, steps=int(steps), cfg=float(cfg),
                                                     cfg_schedule=cfg_schedule, temperature=float(temperature),
                                                     seed=int(seed), first_index=int(first_index), callback=callback,
-                                                    cache=cache_dict)
+                                                    cache=cache_dict, trace_rows=bool(trace_rows))
         finally:
             if bar is not None:
                 bar.close()

@@ -85,6 +85,7 @@ typedef struct step_callback_ctx {
     PyThreadState *thread_state;
     PyObject *callback;   /* Python callable(info dict) or NULL */
     PyObject *step_list;  /* list collecting step dicts */
+    int trace_rows;       /* add the kept/active rows of cached steps */
     int failed;
 } step_callback_ctx;
 
@@ -171,6 +172,16 @@ static int on_step(void *opaque, const mc_step_info *info) {
     PyEval_RestoreThread(ctx->thread_state);
     int cancel = 0;
     PyObject *d = step_info_dict(info);
+    if (d != NULL && ctx->trace_rows && info->kept_rows != NULL) {
+        npy_intp dims[2] = {(npy_intp)info->kept_sequences, (npy_intp)info->kept_per_sequence};
+        PyObject *rows = PyArray_SimpleNew(2, dims, NPY_INT32);
+        if (rows != NULL)
+            memcpy(PyArray_DATA((PyArrayObject *)rows), info->kept_rows,
+                   (size_t)(dims[0] * dims[1]) * sizeof(int32_t));
+        if (rows == NULL || PyDict_SetItemString(d, "kept_rows", rows) < 0)
+            cancel = 1;
+        Py_XDECREF(rows);
+    }
     if (d == NULL || PyList_Append(ctx->step_list, d) < 0)
         cancel = 1;
     if (!cancel && ctx->callback != NULL && ctx->callback != Py_None) {
@@ -189,15 +200,15 @@ static int on_step(void *opaque, const mc_step_info *info) {
 
 static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"labels", "steps", "cfg", "cfg_schedule", "temperature", "seed",
-                               "first_index", "callback", "cache", NULL};
+                               "first_index", "callback", "cache", "trace_rows", NULL};
     PyObject *labels_obj, *callback = Py_None, *cache_obj = Py_None;
-    int steps = 64;
+    int steps = 64, trace_rows = 0;
     double cfg = 1.0, temperature = 1.0;
     const char *schedule_name = "linear";
     unsigned long long seed = 0, first_index = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|idsdKKOO", keywords, &labels_obj, &steps, &cfg,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|idsdKKOOp", keywords, &labels_obj, &steps, &cfg,
                                      &schedule_name, &temperature, &seed, &first_index, &callback,
-                                     &cache_obj))
+                                     &cache_obj, &trace_rows))
         return NULL;
     mc_lazymar_config lazymar;
     if (cache_obj != Py_None && parse_lazymar(cache_obj, &lazymar) < 0)
@@ -239,7 +250,7 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
         PyMem_Free(infos);
         return PyErr_NoMemory();
     }
-    step_callback_ctx ctx = {.callback = callback, .step_list = step_list};
+    step_callback_ctx ctx = {.callback = callback, .step_list = step_list, .trace_rows = trace_rows};
     mc_mar_generate_args gen = {
         .labels = label_data, .n_images = n, .num_steps = steps, .cfg = cfg, .cfg_schedule = schedule,
         .temperature = temperature, .seed = (uint64_t)seed, .first_index = (uint32_t)first_index,

@@ -28,6 +28,7 @@ struct mc_lazymar {
     size_t head_buffer_floats;
     float **head_blocks;           /* [head_depth] pointers into head_buffer */
     float *scores_host;            /* [n_cache_seq * L] */
+    int32_t *kept;                 /* [n_cache_seq * L]: rows kept (active) at the last cached step */
     int32_t *order;                /* [L] ranking scratch */
     size_t bytes;
 };
@@ -125,6 +126,7 @@ void mc_lazymar_free(mc_lazymar *lz) {
     free(lz->prev_pred);
     free(lz->scores_host);
     free(lz->order);
+    free(lz->kept);
     free(lz);
 }
 
@@ -147,8 +149,9 @@ mc_status mc_lazymar_create(mc_mar *mar, const mc_lazymar_config *cfg, int64_t n
     lz->prev_pred = malloc((size_t)(n_images * c->seq_len) * sizeof(int32_t));
     lz->scores_host = malloc((size_t)(nc * L) * sizeof(float));
     lz->order = malloc((size_t)L * sizeof(int32_t));
+    lz->kept = malloc((size_t)(nc * L) * sizeof(int32_t));
     lz->head_blocks = calloc((size_t)c->head_depth, sizeof(float *));
-    mc_status st = (lz->prev_pred && lz->scores_host && lz->order && lz->head_blocks)
+    mc_status st = (lz->prev_pred && lz->scores_host && lz->order && lz->head_blocks && lz->kept)
                        ? MC_OK : mc_fail(err, MC_ERR_NOMEM, "cannot allocate the LazyMAR state");
     const int any_decoder_cache = cfg->decoder_mode != MC_DECODER_FULL;
     if (st == MC_OK && (cfg->encoder_cache || any_decoder_cache)) {
@@ -683,9 +686,7 @@ static mc_status cached_step(mc_lazymar *lz, const mc_lazymar_step *s, float *z,
     else if (lz->cfg.decoder_mode == MC_DECODER_MARCHE)
         keep = mc_marche_active_count(&lz->cfg, s->n_pred, lz->n_prev, L,
                                       (lz->cfg.image_candidates ? c->seq_len : L) - s->n_pred - lz->n_prev);
-    int32_t *kept = malloc((size_t)(nc * keep + 1) * sizeof(int32_t));
-    if (kept == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate kept rows");
+    int32_t *kept = lz->kept;
     float *x = f;
     mc_status st = MC_OK;
     if (lz->cfg.decoder_mode == MC_DECODER_LAZYMAR)
@@ -696,8 +697,12 @@ static mc_status cached_step(mc_lazymar *lz, const mc_lazymar_step *s, float *z,
         st = full_layers(lz, f, 0, c->dec_depth, &flops, err);
     if (st == MC_OK)
         st = emit_outputs(lz, s, x, keep, x == f ? NULL : kept, z, err);
-    free(kept);
     stats->decoder_kept_rows = nc * keep;
+    if (x != f) {
+        stats->kept_rows = kept;
+        stats->kept_sequences = nc;
+        stats->kept_per_sequence = keep;
+    }
     stats->flops = flops;
     return st;
 }

@@ -82,6 +82,10 @@ typedef struct mc_lazymar_stats {
     int full;
     int64_t encoder_rows, decoder_rows, decoder_kept_rows;
     double flops;
+    /* Rows kept (LazyMAR) or active (MARche) per cached sequence, ascending;
+     * NULL when the decoder ran every row. Valid until the next step. */
+    const int32_t *kept_rows;
+    int64_t kept_sequences, kept_per_sequence;
 } mc_lazymar_stats;
 
 /* Fills z [rows: cond (image-major, position ascending), then uncond] for the

@@ -342,6 +342,9 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
             .cache_bytes = lazymar ? (int64_t)mc_lazymar_cache_bytes(lazymar) : 0,
             .flops = transformer_flops + hstats.flops,
             .seconds = seconds_now() - t0,
+            .kept_rows = n_head ? lstats.kept_rows : NULL,
+            .kept_sequences = lstats.kept_sequences,
+            .kept_per_sequence = lstats.kept_per_sequence,
         };
         if (steps_out != NULL)
             steps_out[step] = info;

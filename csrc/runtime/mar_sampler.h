@@ -30,6 +30,8 @@ typedef struct mc_step_info {
     int64_t head_evaluations; /* diffusion steps run */
     int64_t head_cached_evaluations; /* of which ran from the head cache */
     int64_t cache_bytes;      /* bytes held by the cache policy */
+    const int32_t *kept_rows; /* see mc_lazymar_stats; valid during the callback only */
+    int64_t kept_sequences, kept_per_sequence;
     double flops;             /* GEMM + attention FLOPs of this step */
     double seconds;
 } mc_step_info;
