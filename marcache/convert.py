@@ -233,23 +233,40 @@ class LazyTensor:
 # The restricted unpickler
 # ===========================================================================
 
-class _StorageType:
+class _Frozen:
+    """Base of the shared allowlist markers: a pickle's BUILD opcode must not be
+    able to change them (they are reused by every load in the process)."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise CheckpointError(f"the pickle tries to modify {self!r}; refused")
+
+    def __setattr__(self, name, value):
+        raise CheckpointError(f"the pickle tries to set {name!r} on {self!r}; refused")
+
+
+class _StorageType(_Frozen):
     """Marker for torch.<X>Storage / torch.UntypedStorage in persistent ids."""
 
+    __slots__ = ("name", "dtype")
+
     def __init__(self, name, dtype):
-        self.name = name
-        self.dtype = dtype
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "dtype", dtype)
 
     def __repr__(self):
         return f"torch.{self.name}"
 
 
-class TorchDtype:
+class TorchDtype(_Frozen):
     """Inert stand-in for a torch dtype object (torch.float32, ...)."""
 
+    __slots__ = ("name", "st")
+
     def __init__(self, name):
-        self.name = name
-        self.st = _TORCH_DTYPES[name]
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "st", _TORCH_DTYPES[name])
 
     def __repr__(self):
         return f"torch.{self.name}"
@@ -274,9 +291,11 @@ class TorchDevice:
         return f"device({self.type!r})" if self.index is None else f"device({self.type!r}, {self.index})"
 
 
-class _TypeMarker:
+class _TypeMarker(_Frozen):
+    __slots__ = ("name",)
+
     def __init__(self, name):
-        self.name = name
+        object.__setattr__(self, "name", name)
 
     def __repr__(self):
         return self.name
@@ -385,22 +404,28 @@ def _codecs_encode(text, encoding="utf-8"):
 
 
 def _numpy_dtype(obj, align=False, copy=False):
-    """numpy.dtype as pickled inside numpy scalars: plain (non-object) dtypes only."""
+    """numpy.dtype as pickled inside numpy scalars: plain numeric dtypes only. Always a
+    fresh copy, so the BUILD (__setstate__) that follows in the pickle cannot touch
+    NumPy's shared builtin dtype objects."""
     if not isinstance(obj, str):
         raise CheckpointError(f"numpy.dtype({obj!r}) is not allowed")
     dt = np.dtype(obj)
-    if dt.hasobject:
-        raise CheckpointError(f"numpy.dtype({obj!r}) holds Python objects; refused")
-    return dt
+    if dt.kind not in "biuf" or dt.fields is not None or dt.subdtype is not None:
+        raise CheckpointError(f"numpy.dtype({obj!r}) is not a plain numeric dtype; refused")
+    return np.dtype(obj, False, True)
 
 
 def _numpy_scalar(dtype, data=None):
-    """numpy.core.multiarray.scalar: a NumPy scalar rebuilt from its raw bytes."""
-    if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, (bytes, bytearray)):
+    """numpy.core.multiarray.scalar: a NumPy scalar rebuilt from its raw bytes, with a
+    clean dtype of the same kind, size and byte order."""
+    if not isinstance(dtype, np.dtype) or not isinstance(data, (bytes, bytearray)):
         raise CheckpointError(f"numpy scalar of dtype {dtype!r} is not allowed")
-    if len(data) != dtype.itemsize:
-        raise CheckpointError(f"numpy scalar of dtype {dtype} has {len(data)} bytes, expected {dtype.itemsize}")
-    return np.frombuffer(bytes(data), dtype=dtype)[0]
+    if dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
+        raise CheckpointError(f"numpy scalar of dtype {dtype!r} is not a plain numeric scalar; refused")
+    clean = np.dtype(dtype.str)
+    if len(data) != clean.itemsize:
+        raise CheckpointError(f"numpy scalar of dtype {clean} has {len(data)} bytes, expected {clean.itemsize}")
+    return np.frombuffer(bytes(data), dtype=clean)[0]
 
 
 _SAFE_CONTAINERS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "range": range}
@@ -576,7 +601,8 @@ class Checkpoint(collections.abc.Mapping):
         return f"Checkpoint({self.path!r}, format={self.format!r}, keys={keys})"
 
     def tensors(self):
-        """Every distinct LazyTensor in the checkpoint with a dotted path, in pickle order."""
+        """(dotted path, LazyTensor) for every tensor reachable from the root, in
+        container order (an object referenced twice is listed twice)."""
         out = []
 
         def walk(obj, prefix):

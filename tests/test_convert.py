@@ -562,6 +562,39 @@ def test_malicious_pickles_are_refused_and_nothing_runs(tmp_path):
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_pickle_cannot_modify_the_shared_allowlist_objects(tmp_path):
+    # BUILD on the FloatStorage marker (would retype every later load) and on torch.float32.
+    for payload in (b"\x80\x02ctorch\nFloatStorage\n}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00I64sb.",
+                    b"\x80\x02ctorch\nfloat32\n}X\x02\x00\x00\x00stX\x03\x00\x00\x00I64sb.",
+                    b"\x80\x02ctorch\nTensor\n(X\x04\x00\x00\x00nameX\x01\x00\x00\x00xtb."):
+        path = tmp_path / "mutate.pth"
+        _zip_with_pickle(path, payload)
+        with pytest.raises(conv.CheckpointError, match="tries to (modify|set)"):
+            conv.read_checkpoint(path)
+    assert conv.ALLOWED_GLOBALS[("torch", "FloatStorage")].dtype == "F32"
+    assert conv.ALLOWED_GLOBALS[("torch", "float32")].st == "F32"
+
+
+def test_numpy_scalars_cannot_alter_numpy_dtypes(tmp_path):
+    # A pickled np.float64 sets the state of its dtype with BUILD; the reader hands it a
+    # fresh copy, so NumPy's shared float64 dtype keeps its byte order.
+    payload = pickle.dumps({"x": np.float64(1.5)}, protocol=2)
+    evil = payload.replace(b"X\x01\x00\x00\x00<", b"X\x01\x00\x00\x00>")    # state byte order '<' -> '>'
+    assert evil != payload
+    for data, want in ((payload, 1.5), (evil, np.frombuffer(np.float64(1.5).tobytes(), ">f8")[0])):
+        path = tmp_path / "np.pth"
+        _zip_with_pickle(path, data)
+        with conv.read_checkpoint(path) as ck:
+            assert ck["x"] == want
+    assert np.dtype(np.float64).byteorder == "=" and np.dtype("f8").isnative
+    assert np.float64(2.0) * 2 == 4.0
+    for bad in (pickle.dumps(np.array([1], dtype=object)[0:1], protocol=2),):
+        path = tmp_path / "obj.pth"
+        _zip_with_pickle(path, bad)
+        with pytest.raises(conv.CheckpointError):
+            conv.read_checkpoint(path)
+
+
 def test_malicious_legacy_pickle_is_refused(tmp_path):
     sentinel = tmp_path / "pwned"
     path = tmp_path / "evil_legacy.pth"
