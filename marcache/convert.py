@@ -428,7 +428,7 @@ def _numpy_scalar(dtype, data=None):
     return np.frombuffer(bytes(data), dtype=clean)[0]
 
 
-_SAFE_CONTAINERS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "range": range}
+_SAFE_CONTAINERS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex}
 
 
 def _reconstructor(cls, base, state):
