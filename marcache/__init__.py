@@ -14,7 +14,8 @@ _preload_blas()
 from . import _C  # noqa: E402
 from .caches import LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS  # noqa: E402
-from .model import MARModel, GenerationInfo, load  # noqa: E402
+from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402
+from . import convert  # noqa: E402  (marcache.convert.convert / read_checkpoint: no PyTorch needed)
 
 __version__ = "0.1.0"
 
@@ -24,5 +25,5 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["load", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "flops", "MAR_CONFIGS", "build_info",
-           "__version__"]
+__all__ = ["load", "file_kind", "convert", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "flops",
+           "MAR_CONFIGS", "build_info", "__version__"]

@@ -1,5 +1,6 @@
-"""Command line: python -m marcache {generate, info, flops}."""
+"""Command line: python -m marcache {generate, info, flops, convert}."""
 import argparse
+import os
 import sys
 import time
 
@@ -40,6 +41,39 @@ def _cmd_flops(args):
           f"(encoder {rep.encoder / 1e12:.3f}, decoder {rep.decoder / 1e12:.3f}, head {rep.head / 1e12:.3f})")
 
 
+def _cmd_convert(args):
+    from . import convert as conv
+
+    t0 = time.perf_counter()
+    plan = conv.convert(args.kind, args.src, args.out, dtype=args.dtype, weights=args.weights, heads=args.heads,
+                        progress=not args.quiet)
+    seconds = time.perf_counter() - t0
+    size = os.path.getsize(args.out)
+    for note in plan.notes:
+        print(note)
+    print(f"wrote {args.out}: kind {args.kind}, {len(plan.tensors)} tensors, "
+          f"{int(plan.metadata['num_params']):,} parameters as {args.dtype}, {size / 2**20:,.1f} MiB, "
+          f"{seconds:.1f} s (source sha256 {plan.metadata['source_sha256'][:16]}...)")
+
+
+def _convert_epilog():
+    from .convert import KINDS
+
+    lines = ["kinds and the official files they take:"]
+    for kind, (_, files, what) in KINDS.items():
+        lines.append(f"  {kind:<10} {files}")
+        lines.append(f"  {'':<10}   {what}")
+    lines += ["",
+              "Reads PyTorch zip (and legacy) checkpoints without PyTorch through a restricted unpickler,",
+              "checks every key and shape against the spec before writing, streams tensor by tensor,",
+              "and records kind, hyper-parameters and the source SHA-256 in __metadata__.",
+              "",
+              "example:",
+              "  python -m marcache convert mar pretrained_models/mar/mar_base/checkpoint-last.pth -o mar_base.safetensors",
+              "  python -m marcache convert vae-kl16 pretrained_models/vae/kl16.ckpt -o kl16.safetensors"]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m marcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +105,22 @@ def main(argv=None):
     f.add_argument("--steps", type=int, default=64)
     f.add_argument("--cfg", type=float, default=1.0)
     f.set_defaults(func=_cmd_flops)
+
+    c = sub.add_parser("convert", help="convert an official PyTorch checkpoint to safetensors (no PyTorch needed)",
+                       description="Convert an official PyTorch checkpoint to a marcache safetensors file, "
+                                   "without PyTorch.",
+                       epilog=_convert_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("kind", choices=["mar", "vae-kl16", "var", "vqvae", "inception"], help="what the checkpoint holds")
+    c.add_argument("src", help="the PyTorch checkpoint (.pth / .ckpt)")
+    c.add_argument("-o", "--out", required=True, help="output .safetensors file")
+    c.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+                   help="dtype of the floating-point tensors in the output (default fp32)")
+    c.add_argument("--weights", default="model_ema", choices=["model_ema", "model"],
+                   help="mar only: the EMA weights used for evaluation (default) or the raw weights")
+    c.add_argument("--heads", type=int, default=None,
+                   help="mar only: attention heads, for widths other than the released 768/1024/1280")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=_cmd_convert)
 
     args = parser.parse_args(argv)
     t0 = time.perf_counter()

@@ -213,8 +213,51 @@ class MARModel:
         return self._vae.decode(np.ascontiguousarray(tokens, np.float32))
 
 
+# What each `kind` written by `marcache convert` holds (marcache/convert.py KINDS).
+_KIND_DESCRIPTIONS = {
+    "mar": "a MAR model",
+    "vae-kl16": "a KL-16 VAE decoder",
+    "var": "a VAR transformer",
+    "vqvae": "VAR's VQVAE decoder",
+    "inception": "the FID Inception network",
+}
+
+
+def file_kind(path):
+    """The model kind recorded in a safetensors file's ``__metadata__`` by
+    ``marcache convert`` ("mar", "vae-kl16", "var", "vqvae", "inception"), or
+    None for files without it (the loaders then recognise the kind from the
+    tensor names)."""
+    _, metadata = _C.safetensors_info(os.fspath(path))
+    kind = metadata.get("kind")
+    if kind is not None and kind not in _KIND_DESCRIPTIONS:
+        raise ValueError(f"{path}: metadata kind={kind!r} is not one marcache knows "
+                         f"({', '.join(_KIND_DESCRIPTIONS)})")
+    return kind
+
+
+def _check_kind(path, want, role):
+    kind = file_kind(path)
+    if kind is None or kind == want:
+        return
+    hint = ""
+    if want == "mar" and kind == "vae-kl16":
+        hint = ": pass it as vae=... (--vae) together with a MAR model file"
+    elif want == "vae-kl16" and kind == "mar":
+        hint = ": pass it as the model path, and the KL-16 VAE file as vae="
+    elif kind in ("var", "vqvae", "inception"):
+        hint = ": this version of marcache runs MAR generation only"
+    raise ValueError(f"{role} {path} is {_KIND_DESCRIPTIONS[kind]} file (metadata kind={kind!r}, written by "
+                     f"marcache convert), not {_KIND_DESCRIPTIONS[want]}{hint}")
+
+
 def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps=100, threads=0):
     """Loads a MAR safetensors file (converted from the official checkpoint) and optionally the KL-16 VAE.
+
+    The kind of each file is taken from its ``__metadata__`` ``kind`` (written by
+    ``marcache convert``): a VAE, VAR or Inception file passed as the model, or a
+    MAR file passed as vae=, is refused with a ValueError. Files without that
+    metadata are recognised from their tensor names.
 
     device: "cpu", "auto" (CUDA when built and present, else CPU) or "cuda[:N]".
     dtype: compute dtype; the CPU backend computes in "fp32" (weights stored as F16/BF16 are
@@ -232,6 +275,9 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
         raise ValueError(f"heads must be a positive integer, got {heads!r}")
     if not isinstance(diffusion_steps, int) or not 1 <= diffusion_steps <= 1000:
         raise ValueError(f"diffusion_steps must be an integer in 1..1000, got {diffusion_steps!r}")
+    _check_kind(path, "mar", "model")
+    if vae_path is not None:
+        _check_kind(vae_path, "vae-kl16", "vae=")
     mar = _C.MAR(path, heads=heads or 0, diffusion_steps=diffusion_steps, threads=int(threads))
     vae_obj = _C.VAE(vae_path) if vae_path is not None else None
     return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)
