@@ -1,5 +1,9 @@
 """Cache policies side by side on the CPU (issues: LazyMAR, MARche).
 
+Rows: NoCache, LazyMAR with all three caches and each cache alone (ablations),
+MARche at the paper's defaults read as decoder-only, with LazyMAR's encoder
+cache (an extension), and composed with LazyMAR's condition and head caches.
+
 MAR-B configuration with random weights in the official layout, 64 AR steps,
 CFG 2.9 (linear), batch 8 by default. Every policy runs in the same process
 on the same weights and seeds; the table shows wall-clock seconds, the
@@ -27,6 +31,10 @@ POLICIES = {
     "lazymar-token": ("LazyMAR token cache only", lambda: mc.LazyMAR(cond_cache=False, head_cache=False)),
     "lazymar-cond": ("LazyMAR condition cache only", lambda: mc.LazyMAR(token_cache=False, head_cache=False)),
     "lazymar-head": ("LazyMAR head cache only", lambda: mc.LazyMAR(token_cache=False, cond_cache=False)),
+    "marche": ("MARche (paper defaults, decoder only)", lambda: mc.MARche()),
+    "marche-enc": ("MARche + encoder cache (extension E1)", lambda: mc.MARche(encoder_cache=True)),
+    "marche-composed": ("MARche + encoder, condition and head caches",
+                        lambda: mc.MARche(encoder_cache=True, cond_cache=True, head_cache=True)),
 }
 
 
