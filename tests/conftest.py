@@ -13,9 +13,19 @@ import sys
 
 import pytest
 
+import glob
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
-for path in (TESTS_DIR, REPO_ROOT):  # `reference` package; in-place marcache build
+# `reference` and the fixtures live beside the tests. The source tree's
+# marcache is used only when it holds an in-place build (setup.py build_ext
+# --inplace); otherwise the installed package is tested, as CI does.
+paths = [TESTS_DIR]
+if glob.glob(os.path.join(REPO_ROOT, "marcache", "_C*.so")):
+    paths.append(REPO_ROOT)
+else:
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != REPO_ROOT]
+for path in paths:
     if path not in sys.path:
         sys.path.insert(0, path)
 
