@@ -160,8 +160,8 @@ class MARche:
     The paper has no public code; this follows marcache's spec (marche.md), with
     every choice the paper leaves open exposed as a field.
 
-    Step s is a *full refresh* step when ``s % refresh_period == refresh_phase``
-    or ``s < refresh_phase`` (step 0 is always full): the plain model runs and
+    Step s is a *full refresh* step when ``s < refresh_phase`` or
+    ``(s - refresh_phase) % refresh_period == 0`` (step 0 is always full): the plain model runs and
     the K/V of every decoder layer after the full prefix are cached. On the other
     steps the decoder layers ``1..full_layers`` (1-based, as in the paper) run on
     every row; inside layer ``select_layer`` the attention probabilities that the

@@ -1,5 +1,6 @@
 """The command line, the end-to-end generate() with a VAE, flops() against
 telemetry, and the notebook-facing conveniences."""
+import os
 import subprocess
 import sys
 import zlib
@@ -22,6 +23,14 @@ def files(tmp_path_factory):
     vae_w = ref_vae.random_vae_weights(np.random.default_rng(3), ch=32, ch_mult=(1, 2), num_res_blocks=1)
     save_file(dict(vae_w), str(vae_path))
     return mar_path, vae_path, vae_w
+
+
+def run_cli(*args, timeout=300):
+    """python -m marcache ARGS, importing the same marcache as this test."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(mc.__file__)))
+    return subprocess.run([sys.executable, "-m", "marcache", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_png_size(path):
@@ -75,9 +84,8 @@ def test_flops_of_released_configs_match_spec():
 def test_cli_generate_writes_png(files, tmp_path):
     mar_path, vae_path, _ = files
     out = tmp_path / "grid.png"
-    proc = subprocess.run([sys.executable, "-m", "marcache", "generate", "--model", str(mar_path), "--vae",
-                           str(vae_path), "--labels", "207", "360", "--steps", "2", "--cfg", "2.9", "--seed", "0",
-                           "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    proc = run_cli("generate", "--model", str(mar_path), "--vae", str(vae_path), "--labels", "207", "360",
+                   "--steps", "2", "--cfg", "2.9", "--seed", "0", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert "wrote" in proc.stdout
     width, height = read_png_size(out)
@@ -86,18 +94,16 @@ def test_cli_generate_writes_png(files, tmp_path):
 
 def test_cli_reports_bad_input_cleanly(files, tmp_path):
     mar_path, vae_path, _ = files
-    proc = subprocess.run([sys.executable, "-m", "marcache", "generate", "--model", str(mar_path), "--vae",
-                           str(vae_path), "--labels", "5000", "--out", str(tmp_path / "x.png")],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli("generate", "--model", str(mar_path), "--vae", str(vae_path), "--labels", "5000", "--out",
+                   str(tmp_path / "x.png"))
     assert proc.returncode == 2
     assert "label 5000" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_info_and_flops():
-    proc = subprocess.run([sys.executable, "-m", "marcache", "info"], capture_output=True, text=True, timeout=60)
+    proc = run_cli("info", timeout=60)
     assert proc.returncode == 0 and "blas" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "marcache", "flops", "mar_base", "--steps", "64", "--cfg", "2.9"],
-                          capture_output=True, text=True, timeout=60)
+    proc = run_cli("flops", "mar_base", "--steps", "64", "--cfg", "2.9", timeout=60)
     assert proc.returncode == 0 and "TFLOPs per image" in proc.stdout
 
 

@@ -31,6 +31,15 @@ from reference import vae as ref_vae
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
+def subprocess_env():
+    """Child Pythons import the same marcache as this test (installed or in-place)."""
+    import marcache
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(marcache.__file__)))
+    return env
+
+
 def fx(name):
     return os.path.join(FIXTURES, name)
 
@@ -148,8 +157,8 @@ def test_reader_never_imports_torch():
             f"ck = c.read_checkpoint({fx('tiny_mar.pth')!r}); [t.numpy() for _, t in ck.tensors()]\n"
             f"ck = c.read_checkpoint({fx('mixed_legacy.pth')!r}); [t.numpy() for _, t in ck.tensors()]\n"
             "print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=os.path.dirname(FIXTURES) + "/..")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=FIXTURES,
+                         env=subprocess_env())
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
