@@ -153,6 +153,10 @@ static const mc_ops cpu_ops = {
     .cfg_combine = mc_cpu_cfg_combine,
     .ddpm_step = mc_cpu_ddpm_step,
     .token_normals = mc_cpu_token_normals,
+    .conv2d_ex = mc_cpu_conv2d_ex,
+    .avg_pool2d = mc_cpu_avg_pool2d,
+    .max_pool2d = mc_cpu_max_pool2d,
+    .resize_bilinear_tf1 = mc_cpu_resize_bilinear_tf1,
 };
 
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {
