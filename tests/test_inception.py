@@ -144,3 +144,45 @@ def test_bad_images_are_refused(tiny):
         net.features(np.zeros((8, 8, 3), np.uint8))
     with pytest.raises(ValueError, match="chunk"):
         _C.Inception(str(tiny[1]), chunk=0)
+
+
+def test_ctrl_c_interrupts_and_network_stays_usable(full):
+    """SIGINT during features() surfaces as KeyboardInterrupt at the next chunk
+    or block boundary; the network works afterwards."""
+    import os
+    import signal
+    import threading
+
+    net = _C.Inception(str(full[1]), chunk=1)
+    images = np.zeros((64, 64, 64, 3), np.uint8)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            net.features(images)
+    finally:
+        timer.cancel()
+    assert net.features(images[:1])[0].shape == (1, 2048)
+
+
+def test_gil_is_released_during_features(full):
+    import threading
+    import time
+
+    net = _C.Inception(str(full[1]), chunk=2)
+    ticks, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    th = threading.Thread(target=count)
+    th.start()
+    t0 = time.perf_counter()
+    net.features(np.zeros((4, 64, 64, 3), np.uint8))
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    # a thread sleeping 1 ms per tick gets many ticks only if the GIL was free
+    assert len(ticks) > 0.2 * elapsed / 0.001
