@@ -25,6 +25,9 @@ def _cmd_sample(args):
     import marcache as mc
     from .eval import SampleWriter, _Progress, class_major_labels
 
+    if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
+        raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
+                         f"{args.batch_size}")
     model = mc.load(args.model, vae=args.vae, device=args.device, threads=args.threads)
     labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
     bar = _Progress(args.n, "sample", enabled=not args.quiet)
@@ -44,7 +47,7 @@ def _cmd_sample(args):
             bar.update(len(images))
     except BaseException:
         if writer is not None:
-            writer.__exit__(RuntimeError, None, None)
+            writer.abort()
         raise
     finally:
         bar.close()

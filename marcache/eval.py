@@ -587,15 +587,20 @@ class SampleWriter:
             os.remove(self.path)
             raise ValueError(f"{self.path}: {self.written} images written, {self.n} announced; file removed")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and self._f is not None:
+    def abort(self):
+        """Closes and removes a partly written file."""
+        if self._f is not None:
             self._f.close()
             self._zip.close()
             self._f = None
             os.remove(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
             return False
         self.close()
         return False

@@ -434,3 +434,14 @@ def test_cli_sample_then_fid(tiny_files, tmp_path):
     want = ev.fid(net.stats(arr)[0], ev.load_reference(ref))
     assert value == pytest.approx(want, abs=1e-3)
     assert re.search(r"IS:\s+[0-9.]+ \+- [0-9.]+ \(1 splits, torch-fidelity\)", proc.stdout)
+
+
+def test_cli_rejects_bad_sample_arguments(tiny_files, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "marcache", "sample", "--model", str(tiny_files["mar"]),
+                           "--vae", str(tiny_files["vae"]), "--n", "0", "--out", str(tmp_path / "s.npz")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--n, --per-class and --batch-size must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "marcache", "fid", str(tmp_path / "none.npz"),
+                           str(tmp_path / "ref.npz"), "--inception", str(tiny_files["inception"])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "error:" in proc.stderr
