@@ -117,7 +117,7 @@ class InceptionV3:
     @classmethod
     def load(cls, path, threads=0, chunk=8):
         """path: safetensors file. threads: OpenMP threads (0 = all).
-        chunk: images per forward pass inside C (memory ~ 45 MB per image)."""
+        chunk: images per forward pass inside C (about 13 MB of activations per image)."""
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Inception weights not found: {path}")
