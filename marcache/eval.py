@@ -734,7 +734,7 @@ class SweepResult:
     fid: float
     inception_score: float
     is_std: float
-    seconds_per_image: float        # generation (transformer + head + VAE), all batches
+    seconds_per_image: float        # generation (transformer + head + VAE); MAR's timer: from batch 2 on
     flops_per_image: float          # generation FLOPs (GEMMs + attention), from telemetry
     inception_seconds_per_image: float
     stats: Stats = field(repr=False)
@@ -752,7 +752,9 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
     sequence in every configuration, so configurations differ only by the
     cache. Images stream through the Inception network into Stats batch by
     batch. reference: Stats or an .npz path (load_reference). Returns a list
-    of SweepResult in the order of configs.
+    of SweepResult in the order of configs. seconds_per_image follows MAR's
+    printout (mar.md 10): generation time (sampling + VAE decode) of every
+    batch after the first, per image (all batches when there is only one).
     """
     if isinstance(configs, dict):
         items = list(configs.items())
@@ -767,8 +769,8 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
     results = []
     for name, cache in items:
         stats = Stats(inception.feature_dim)
-        logits = []
-        gen_seconds = inc_seconds = flops = 0.0
+        logits, batch_seconds, batch_sizes = [], [], []
+        inc_seconds = flops = 0.0
         bar = _Progress(n, f"sweep {name}", enabled=progress)
         try:
             for start in range(0, n, batch_size):
@@ -780,7 +782,8 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
                 t1 = time.perf_counter()
                 pool, lg = inception.features(images, batch_size=len(images))
                 inc_seconds += time.perf_counter() - t1
-                gen_seconds += t1 - t0
+                batch_seconds.append(t1 - t0)
+                batch_sizes.append(len(images))
                 flops += info.flops
                 stats.update(pool)
                 logits.append(lg)
@@ -788,10 +791,13 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
         finally:
             bar.close()
         logits = np.concatenate(logits)
+        # MAR's speed printout times every batch but the first (warm-up).
+        timed = slice(1, None) if len(batch_seconds) > 1 else slice(None)
+        gen_per_image = sum(batch_seconds[timed]) / sum(batch_sizes[timed])
         isc = inception_score(logits, splits=min(10, n), protocol=is_protocol)
         results.append(SweepResult(name=name, cache=cache, n=n, fid=fid(stats, reference, method=method),
                                    inception_score=isc.mean, is_std=isc.std,
-                                   seconds_per_image=gen_seconds / n, flops_per_image=flops / n,
+                                   seconds_per_image=gen_per_image, flops_per_image=flops / n,
                                    inception_seconds_per_image=inc_seconds / n, stats=stats, logits=logits))
     return results
 
