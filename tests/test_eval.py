@@ -433,6 +433,8 @@ def test_cli_sample_then_fid(tiny_files, tmp_path):
     net = ev.InceptionV3.load(tiny_files["inception"])
     want = ev.fid(net.stats(arr)[0], ev.load_reference(ref))
     assert value == pytest.approx(want, abs=1e-3)
+    result = ev.evaluate(samples, ref, net, batch_size=2, is_protocol="adm")
+    assert result["n"] == 5 and result["fid"] == pytest.approx(want, rel=1e-3)
     assert re.search(r"IS:\s+[0-9.]+ \+- [0-9.]+ \(1 splits, torch-fidelity\)", proc.stdout)
 
 
