@@ -1,4 +1,4 @@
-"""Command line: python -m marcache {generate, info, flops, convert}."""
+"""Command line: python -m marcache {generate, sample, fid, reference, info, flops, convert}."""
 import argparse
 import os
 import sys
@@ -18,6 +18,70 @@ def _cmd_generate(args):
     write_png(args.out, grid(images, columns=args.columns))
     print(f"wrote {args.out}: {len(images)} images, {info.seconds:.1f} s "
           f"({info.seconds / len(images):.2f} s/image, {info.flops / 1e12:.2f} TFLOPs)")
+
+
+def _cmd_sample(args):
+    import numpy as np
+
+    import marcache as mc
+    from .eval import SampleWriter, _Progress, class_major_labels
+
+    if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
+        raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
+                         f"{args.batch_size}")
+    model = mc.load(args.model, vae=args.vae, device=args.device, threads=args.threads)
+    labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
+    bar = _Progress(args.n, "sample", enabled=not args.quiet)
+    writer = None
+    t0 = time.perf_counter()
+    flops = 0.0
+    try:
+        for start in range(0, args.n, args.batch_size):
+            lab = labels[start:start + args.batch_size]
+            images, info = model.generate(labels=lab, steps=args.steps, cfg=args.cfg, cfg_schedule=args.cfg_schedule,
+                                          temperature=args.temperature, seed=args.seed, first_index=start,
+                                          return_info=True)
+            if writer is None:
+                writer = SampleWriter(args.out, args.n, images.shape[1:])
+            writer.write(np.asarray(images))
+            flops += info.flops
+            bar.update(len(images))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        bar.close()
+    writer.close()
+    dt = time.perf_counter() - t0
+    print(f"wrote {args.out}: {args.n} images (arr_0 uint8 NHWC), labels i // {args.per_class}, seed {args.seed}; "
+          f"{dt:.1f} s ({dt / args.n:.3f} s/image, {flops / args.n / 1e12:.3f} TFLOPs/image)")
+
+
+def _cmd_fid(args):
+    from .eval import InceptionV3, fid, inception_score, iter_npz_images, load_reference, npz_image_count
+
+    inception = InceptionV3.load(args.inception, threads=args.threads)
+    if not inception.standard:
+        print("warning: this Inception is not the standard FID network (its widths differ); "
+              "numbers are not comparable with published FIDs", file=sys.stderr)
+    reference = load_reference(args.reference, inception, args.batch_size, progress=not args.quiet)
+    stats, logits = inception.stats(iter_npz_images(args.samples, args.batch_size), progress=not args.quiet,
+                                    total=npz_image_count(args.samples))
+    value = fid(stats, reference, method=args.method)
+    isc = inception_score(logits, splits=min(args.splits, len(logits)), protocol=args.is_protocol)
+    print(f"samples:   {args.samples} ({stats.n} images)")
+    print(f"reference: {args.reference}")
+    print(f"FID: {value:.4f}")
+    print(f"IS:  {isc.mean:.4f} +- {isc.std:.4f} ({isc.splits} splits, {args.is_protocol})")
+
+
+def _cmd_reference(args):
+    from .eval import InceptionV3, make_reference
+
+    inception = InceptionV3.load(args.inception, threads=args.threads)
+    stats = make_reference(args.source, args.out, inception, batch_size=args.batch_size, progress=not args.quiet)
+    print(f"wrote {args.out}: mu [{stats.dim}], sigma [{stats.dim}, {stats.dim}] over {stats.n} images")
 
 
 def _cmd_info(args):
@@ -95,6 +159,46 @@ def main(argv=None):
     g.add_argument("--quiet", action="store_true")
     g.add_argument("--out", default="grid.png")
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("sample", help="generate an ADM sample batch (.npz, arr_0 uint8 NHWC) for FID")
+    s.add_argument("--model", required=True, help="MAR .safetensors")
+    s.add_argument("--vae", required=True, help="KL-16 VAE .safetensors")
+    s.add_argument("--n", type=int, default=50000, help="number of images (50000 for paper numbers)")
+    s.add_argument("--per-class", type=int, default=50, help="image i has class i // per_class")
+    s.add_argument("--steps", type=int, default=64)
+    s.add_argument("--cfg", type=float, default=1.0)
+    s.add_argument("--cfg-schedule", default="linear", choices=["linear", "constant"])
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--out", default="samples.npz")
+    s.set_defaults(func=_cmd_sample)
+
+    d = sub.add_parser("fid", help="FID and IS of a sample batch against reference statistics")
+    d.add_argument("samples", help="sample batch .npz (arr_0 uint8 NHWC)")
+    d.add_argument("reference", help="reference .npz: mu/sigma (adm_in256_stats.npz, ADM reference batch) or arr_0")
+    d.add_argument("--inception", required=True, help="FID-Inception .safetensors (pytorch-fid key names)")
+    d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--method", default="auto", choices=["auto", "sqrtm", "eigvals", "symmetric"],
+                   help="Tr sqrt(S1 S2): sqrtm = ADM evaluator (SciPy), eigvals = torch-fidelity, "
+                        "symmetric = NumPy; auto = sqrtm with SciPy, else symmetric")
+    d.add_argument("--is-protocol", default="torch-fidelity", choices=["torch-fidelity", "adm"])
+    d.add_argument("--splits", type=int, default=10)
+    d.add_argument("--threads", type=int, default=0)
+    d.add_argument("--quiet", action="store_true")
+    d.set_defaults(func=_cmd_fid)
+
+    r = sub.add_parser("reference", help="reference statistics (mu, sigma) of an image folder or .npz")
+    r.add_argument("source", help="folder of images (PNG; others need Pillow) or .npz with arr_0")
+    r.add_argument("out", help="output .npz (mu, sigma, n)")
+    r.add_argument("--inception", required=True)
+    r.add_argument("--batch-size", type=int, default=64)
+    r.add_argument("--threads", type=int, default=0)
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=_cmd_reference)
 
     i = sub.add_parser("info", help="build facts, or the config of a model file")
     i.add_argument("path", nargs="?")

@@ -626,6 +626,165 @@ case("attention_mass", "2x5x17-h2x8-scale0.3")(attention_mass_builder(2, 5, 17, 
 
 
 # --------------------------------------------------------------------------
+# FID-Inception window ops: conv2d_ex, avg_pool2d, max_pool2d,
+# resize_bilinear_tf1 (eval_and_formats.md 3-4)
+# --------------------------------------------------------------------------
+
+def _window(p, kh, kw, default_stride):
+    stride = (p.get("stride_h", default_stride[0]), p.get("stride_w", default_stride[1]))
+    return stride, (p.get("pad_h", 0), p.get("pad_w", 0))
+
+
+def ref_conv2d_ex(inputs, p):
+    x, w, bias, y = (tuple(inputs) + (None,) * 4)[:4]
+    stride, pad = _window(p, w.shape[2], w.shape[3], (1, 1))
+    return ref.conv2d_ex(x, w, bias, stride=stride, pad=pad, beta=p.get("beta", 0.0), y=y,
+                         relu=p.get("relu", False))
+
+
+def ref_avg_pool2d(inputs, p):
+    stride, pad = _window(p, p["kh"], p["kw"], (p["kh"], p["kw"]))
+    return ref.avg_pool2d(inputs[0], p["kh"], p["kw"], stride, pad,
+                          count_include_pad=bool(p["count_include_pad"]))
+
+
+def ref_max_pool2d(inputs, p):
+    stride, pad = _window(p, p["kh"], p["kw"], (p["kh"], p["kw"]))
+    return ref.max_pool2d(inputs[0], p["kh"], p["kw"], stride, pad)
+
+
+def ref_resize_bilinear_tf1(inputs, p):
+    return ref.resize_bilinear_tf1(inputs[0], p["out_h"], p["out_w"], p.get("normalize", False))
+
+
+REFERENCES.update({
+    "conv2d_ex": ref_conv2d_ex,
+    "avg_pool2d": ref_avg_pool2d,
+    "max_pool2d": ref_max_pool2d,
+    "resize_bilinear_tf1": ref_resize_bilinear_tf1,
+})
+
+
+def nhwc(rng, batch, height, width, channels, strided=False, **kw):
+    """NHWC float32; strided: a channel slice of a wider buffer (pixel stride > channels)."""
+    if not strided:
+        return randn(rng, batch, height, width, channels, **kw)
+    return randn(rng, batch, height, width, channels + 7, **kw)[..., 3:3 + channels]
+
+
+# conv2d_ex: Inception's shapes in miniature (3x3 stride 2 valid, 1x7 / 7x1,
+# 5x5 pad 2, 1x1 into a channel slice of a concat buffer), fused ReLU,
+# residual beta, and the plain-loop CPU kernel (naive).
+def conv2d_ex_builder(batch, height, width, cin, cout, kh, kw, stride=(1, 1), pad=(0, 0),
+                      bias=True, relu=False, beta=0.0, with_y=False, strided=False, naive=False):
+    def build(rng):
+        x = nhwc(rng, batch, height, width, cin, strided=strided)
+        w = randn(rng, cout, cin, kh, kw, scale=1.0 / np.sqrt(cin * kh * kw))
+        inputs = (x, w, randn(rng, cout) if bias else None)
+        if with_y or strided:
+            oh = (height + 2 * pad[0] - kh) // stride[0] + 1
+            ow = (width + 2 * pad[1] - kw) // stride[1] + 1
+            inputs += (nhwc(rng, batch, oh, ow, cout, strided=strided),)
+        params = {"stride_h": stride[0], "stride_w": stride[1], "pad_h": pad[0], "pad_w": pad[1],
+                  "beta": f32(beta), "relu": relu}
+        if naive:
+            params["naive"] = True
+        return inputs, params
+    return build
+
+
+case("conv2d_ex", "b1-9x11-c3to8-k3-s2-valid")(conv2d_ex_builder(1, 9, 11, 3, 8, 3, 3, (2, 2)))
+case("conv2d_ex", "b2-9x8-c5to7-k1x7-p0x3-relu")(
+    conv2d_ex_builder(2, 9, 8, 5, 7, 1, 7, pad=(0, 3), relu=True))
+case("conv2d_ex", "b1-8x6-c6to5-k7x1-p3x0")(conv2d_ex_builder(1, 8, 6, 6, 5, 7, 1, pad=(3, 0)))
+case("conv2d_ex", "b2-6x5-c16to9-k1-sliced-in-out")(
+    conv2d_ex_builder(2, 6, 5, 16, 9, 1, 1, strided=True, relu=True))
+case("conv2d_ex", "b1-7x7-c8to6-k3-p1-sliced-in-out")(
+    conv2d_ex_builder(1, 7, 7, 8, 6, 3, 3, pad=(1, 1), strided=True))
+case("conv2d_ex", "b1-9x9-c8to16-k3-s2-p1-relu")(
+    conv2d_ex_builder(1, 9, 9, 8, 16, 3, 3, (2, 2), (1, 1), relu=True))
+case("conv2d_ex", "b1-5x5-c4to6-k5-p2-residual")(
+    conv2d_ex_builder(1, 5, 5, 4, 6, 5, 5, pad=(2, 2), beta=1.0, with_y=True))
+case("conv2d_ex", "b2-8x7-c6to5-k2x3-s3x2-p1x0-nobias")(
+    conv2d_ex_builder(2, 8, 7, 6, 5, 2, 3, (3, 2), (1, 0), bias=False))
+case("conv2d_ex", "b1-1x1-c4to3-k3-p1")(conv2d_ex_builder(1, 1, 1, 4, 3, 3, 3, pad=(1, 1)))
+case("conv2d_ex", "b3-17x17-c32to24-k1x7-p0x3")(
+    conv2d_ex_builder(3, 17, 17, 32, 24, 1, 7, pad=(0, 3), relu=True))
+case("conv2d_ex", "b1-35x35-c48to64-k5-p2", tol=2e-5)(
+    conv2d_ex_builder(1, 35, 35, 48, 64, 5, 5, pad=(2, 2), relu=True))
+case("conv2d_ex", "b2-7x9-c6to5-k3-s2-p1-sliced-relu-naive")(
+    conv2d_ex_builder(2, 7, 9, 6, 5, 3, 3, (2, 2), (1, 1), relu=True, strided=True, naive=True))
+case("conv2d_ex", "b1-6x6-c4to4-k1-residual-naive")(
+    conv2d_ex_builder(1, 6, 6, 4, 4, 1, 1, beta=0.5, with_y=True, naive=True))
+
+
+def pool_builder(batch, height, width, channels, kh, kw, stride=None, pad=(0, 0),
+                 include_pad=None, strided=False):
+    def build(rng):
+        x = nhwc(rng, batch, height, width, channels, strided=strided)
+        params = {"kh": kh, "kw": kw, "pad_h": pad[0], "pad_w": pad[1]}
+        if stride is not None:
+            params.update(stride_h=stride[0], stride_w=stride[1])
+        if include_pad is not None:
+            params["count_include_pad"] = include_pad
+        inputs = (x,)
+        if strided:
+            s = stride or (kh, kw)
+            oh = (height + 2 * pad[0] - kh) // s[0] + 1
+            ow = (width + 2 * pad[1] - kw) // s[1] + 1
+            inputs += (nhwc(rng, batch, oh, ow, channels, strided=True),)
+        return inputs, params
+    return build
+
+
+# avg_pool2d: Inception's branch_pool (3x3, stride 1, pad 1, padding not
+# counted), the global pool (window = image), PyTorch's default count.
+case("avg_pool2d", "b2-7x6-c5-k3-s1-p1-exclude-pad")(
+    pool_builder(2, 7, 6, 5, 3, 3, (1, 1), (1, 1), include_pad=False))
+case("avg_pool2d", "b1-7x6-c5-k3-s1-p1-include-pad")(
+    pool_builder(1, 7, 6, 5, 3, 3, (1, 1), (1, 1), include_pad=True))
+case("avg_pool2d", "b2-8x8-c33-global")(pool_builder(2, 8, 8, 33, 8, 8, include_pad=False))
+case("avg_pool2d", "b1-9x7-c4-k3-s2")(pool_builder(1, 9, 7, 4, 3, 3, (2, 2), include_pad=True))
+case("avg_pool2d", "b2-5x6-c6-k3-s1-p1-sliced-in-out")(
+    pool_builder(2, 5, 6, 6, 3, 3, (1, 1), (1, 1), include_pad=False, strided=True))
+case("avg_pool2d", "b1-1x1-c3-k3-s1-p1")(pool_builder(1, 1, 1, 3, 3, 3, (1, 1), (1, 1),
+                                                      include_pad=False))
+
+# max_pool2d: the stem and Mixed_6a/7a pools (3x3 stride 2, valid; the
+# result goes into a channel slice), Mixed_7c's 3x3 stride 1 pad 1.
+case("max_pool2d", "b2-9x9-c5-k3-s2", tol=0)(pool_builder(2, 9, 9, 5, 3, 3, (2, 2)))
+case("max_pool2d", "b1-8x8-c6-k3-s1-p1", tol=0)(pool_builder(1, 8, 8, 6, 3, 3, (1, 1), (1, 1)))
+case("max_pool2d", "b2-17x17-c7-k3-s2-sliced-in-out", tol=0)(
+    pool_builder(2, 17, 17, 7, 3, 3, (2, 2), strided=True))
+case("max_pool2d", "b1-4x5-c3-k2-default-stride-p1", tol=0)(
+    pool_builder(1, 4, 5, 3, 2, 2, None, (1, 1)))
+
+
+# resize_bilinear_tf1: exact (tol 0) against the float32 NumPy definition:
+# MAR's 256 -> 299, up- and down-sampling, odd sizes, identity, 1 pixel.
+def resize_builder(batch, in_h, in_w, channels, out_h, out_w, dtype="uint8", normalize=False):
+    def build(rng):
+        if dtype == "uint8":
+            x = rng.integers(0, 256, size=(batch, in_h, in_w, channels), dtype=np.uint8)
+        else:
+            x = randn(rng, batch, in_h, in_w, channels, scale=50.0)
+        return (x,), {"out_h": out_h, "out_w": out_w, "normalize": normalize}
+    return build
+
+
+case("resize_bilinear_tf1", "u8-256to299-normalize", tol=0)(
+    resize_builder(1, 256, 256, 3, 299, 299, normalize=True))
+case("resize_bilinear_tf1", "u8-32to299", tol=0)(resize_builder(2, 32, 32, 3, 299, 299))
+case("resize_bilinear_tf1", "u8-401x333to299-normalize", tol=0)(
+    resize_builder(1, 401, 333, 3, 299, 299, normalize=True))
+case("resize_bilinear_tf1", "u8-299to299-identity", tol=0)(resize_builder(1, 299, 299, 3, 299, 299))
+case("resize_bilinear_tf1", "f32-17x23to11x13", tol=0)(
+    resize_builder(2, 17, 23, 5, 11, 13, dtype="float32"))
+case("resize_bilinear_tf1", "f32-1x1to5x3", tol=0)(resize_builder(1, 1, 1, 2, 5, 3, dtype="float32"))
+case("resize_bilinear_tf1", "u8-31x45to64x7", tol=0)(resize_builder(3, 31, 45, 3, 64, 7))
+
+
+# --------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------
 
@@ -742,6 +901,30 @@ BAD_CALLS = [
      (_m(2, dtype=np.uint32), _m(2, dtype=np.uint32)),
      {"seed": 2 ** 64, "stream": 1, "step": 0, "channels": 4}, ValueError,
      "param 'seed' must be in [0, 2**64 - 1]"),
+]
+
+
+BAD_CALLS += [
+    ("conv2d_ex-cin", "cpu", "conv2d_ex", (_m(1, 4, 4, 3), _m(2, 5, 3, 3)), {}, ValueError,
+     "conv2d_ex: argument 'w': expected shape (>=1, 3, >=1, >=1), got (2, 5, 3, 3)"),
+    ("conv2d_ex-too-small", "cpu", "conv2d_ex", (_m(1, 2, 2, 3), _m(2, 3, 3, 3)), {}, ValueError,
+     "window does not fit the 2x2 input"),
+    ("conv2d_ex-stride", "cpu", "conv2d_ex", (_m(1, 4, 4, 3), _m(2, 3, 3, 3)), {"stride_h": 0},
+     ValueError, "param 'stride_h' must be in [1,"),
+    ("conv2d_ex-y-shape", "cpu", "conv2d_ex", (_m(1, 4, 4, 3), _m(2, 3, 3, 3), None,
+                                               _m(1, 4, 4, 2)), {}, ValueError,
+     "argument 'y': expected shape (1, 2, 2, 2), got (1, 4, 4, 2)"),
+    ("avg_pool2d-count", "cpu", "avg_pool2d", (_m(1, 4, 4, 3),), {"kh": 3, "kw": 3}, ValueError,
+     "param 'count_include_pad' is required"),
+    ("avg_pool2d-pad", "cpu", "avg_pool2d", (_m(1, 4, 4, 3),),
+     {"kh": 3, "kw": 3, "pad_h": 2, "count_include_pad": 0}, ValueError,
+     "padding must be at most half the window"),
+    ("max_pool2d-unknown-param", "cpu", "max_pool2d", (_m(1, 4, 4, 3),),
+     {"kh": 3, "kw": 3, "count_include_pad": 0}, ValueError, "unknown param 'count_include_pad'"),
+    ("resize-dtype", "cpu", "resize_bilinear_tf1", (_m(1, 4, 4, 3, dtype=np.float64),),
+     {"out_h": 2, "out_w": 2}, ValueError, "argument 'x': expected dtype float32"),
+    ("resize-size", "cpu", "resize_bilinear_tf1", (_m(1, 4, 4, 3),), {"out_h": 0, "out_w": 2},
+     ValueError, "param 'out_h' must be in [1,"),
 ]
 
 

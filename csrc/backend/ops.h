@@ -45,6 +45,32 @@ typedef struct mc_ddpm_coefs {
     float noise_scale;            /* temperature, or 0 at the last step */
 } mc_ddpm_coefs;
 
+/* Geometry of a 2-D window op over NHWC images (conv2d_ex and the pools):
+ * input [batch, height, width, .], a kh x kw window moved by
+ * (stride_h, stride_w) over the input zero-padded by pad_h rows above and
+ * below and pad_w columns left and right. Output size, as PyTorch (floor):
+ *   out_h = (height + 2 pad_h - kh) / stride_h + 1, out_w alike.
+ * Pixel strides: pixel (n, i, j) of x starts at x + ((n * height + i) * width
+ * + j) * ldx, so x may be a column slice of a wider NHWC buffer (ldx >= its
+ * channels); the output likewise with ldy (Inception's branches write their
+ * channels straight into the concatenated block output this way). */
+typedef struct mc_window2d {
+    int64_t batch, height, width;
+    int kh, kw;
+    int stride_h, stride_w;
+    int pad_h, pad_w;
+} mc_window2d;
+
+static inline int64_t mc_window_out_h(const mc_window2d *g) {
+    return (g->height + 2 * (int64_t)g->pad_h - g->kh) / g->stride_h + 1;
+}
+static inline int64_t mc_window_out_w(const mc_window2d *g) {
+    return (g->width + 2 * (int64_t)g->pad_w - g->kw) / g->stride_w + 1;
+}
+
+/* Element type of image input to resize_bilinear_tf1. */
+typedef enum mc_pixel_type { MC_PIXEL_F32 = 0, MC_PIXEL_U8 = 1 } mc_pixel_type;
+
 struct mc_ops {
     const char *name;
     void (*destroy)(mc_backend *be);
@@ -162,6 +188,46 @@ struct mc_ops {
                                 float scale, const float *q, int64_t ldq, int64_t q_bstride,
                                 const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
                                 float *out, mc_err *err);
+    /* ---- FID-Inception ops (appended; eval_and_formats.md 3-4) ---- */
+
+    /* General 2-D convolution over NHWC with the geometry of `g` (any
+     * kh x kw, strides, zero padding): y = relu?(beta * y + conv(x) + bias).
+     * x has cin channels at pixel stride ldx; y has cout channels at pixel
+     * stride ldy and size mc_window_out_h/w(g). w is packed
+     * [cout, kh, kw, cin] (mc_bind's MC_BIND_CONV_OHWI); bias [cout] or NULL;
+     * relu non-zero clamps the final sum at 0. beta == 0 never reads y. */
+    mc_status (*conv2d_ex)(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
+                           int64_t ldx, const float *w, const float *bias, int64_t cout,
+                           float beta, int relu, float *y, int64_t ldy, mc_err *err);
+
+    /* Average pooling over NHWC windows of `g` (pad_h <= kh / 2 and
+     * pad_w <= kw / 2, as PyTorch requires). The divisor is the number of
+     * window taps inside the image when count_include_pad == 0 (TF's
+     * average pool, FID-Inception), else kh * kw. Sums in float, one
+     * division per output. With kh = height, kw = width, no padding it is
+     * the global average pool. */
+    mc_status (*avg_pool2d)(mc_backend *be, const mc_window2d *g, const float *x,
+                            int64_t channels, int64_t ldx, int count_include_pad, float *y,
+                            int64_t ldy, mc_err *err);
+
+    /* Max pooling over NHWC windows of `g` (same padding rule); padded taps
+     * never win (PyTorch's -inf padding). NaN propagates. */
+    mc_status (*max_pool2d)(mc_backend *be, const mc_window2d *g, const float *x,
+                            int64_t channels, int64_t ldx, float *y, int64_t ldy, mc_err *err);
+
+    /* TF1 bilinear resize, align_corners = False, half_pixel_centers =
+     * False (torch-fidelity's 'slow' method; eval_and_formats.md 4): x is
+     * contiguous NHWC [batch, in_h, in_w, channels] of float32 or uint8
+     * (converted to float32 first); y [batch, out_h, out_w, channels] float32.
+     * Per axis scale = float32(in / out), src = float32(o) * scale in
+     * float32, lo = floor(src), hi = min(lo + 1, in - 1), d = src - lo;
+     * top = a + (b - a) * dx on rows lo_y and hi_y, y = top + (bottom - top)
+     * * dy, every step rounded to float32 (no fused multiply-add). With
+     * normalize, y = (y - 128) / 128 afterwards (the Inception input scale). */
+    mc_status (*resize_bilinear_tf1)(mc_backend *be, const void *x, mc_pixel_type type,
+                                     int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
+                                     int64_t out_h, int64_t out_w, int normalize, float *y,
+                                     mc_err *err);
 };
 
 struct mc_backend {

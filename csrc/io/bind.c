@@ -204,3 +204,43 @@ mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t sh
         shape[d] = t->shape[d];
     return MC_OK;
 }
+
+mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t *shape, float *dst) {
+    char expected[256], actual[256];
+    const char *path = ld->file->path;
+    const mc_st_tensor *t = mc_st_find(ld->file, name);
+    if (t == NULL)
+        return mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
+                       shape_text(shape, ndim, expected, sizeof expected));
+    int same = (t->ndim == ndim);
+    for (int d = 0; same && d < ndim; d++)
+        same = (t->shape[d] == shape[d]);
+    if (!same)
+        return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
+                       shape_text(t->shape, t->ndim, actual, sizeof actual),
+                       shape_text(shape, ndim, expected, sizeof expected));
+    return mc_st_to_f32(ld->file, t, dst, ld->err);
+}
+
+mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out) {
+    *out = NULL;
+    size_t bytes;
+    if (mc_mul_overflows(floats ? floats : 1, sizeof(float), &bytes))
+        return mc_fail(ld->err, MC_ERR_NOMEM, "%s: upload of %zu floats overflows", ld->file->path,
+                       floats);
+    mc_backend *be = ld->backend;
+    void *buffer = be->ops->alloc(be, bytes, ld->err);
+    if (buffer == NULL)
+        return ld->err->status;
+    mc_status status = MC_OK;
+    if (floats)
+        status = be->ops->upload(be, buffer, host, floats * sizeof(float), ld->err);
+    if (status == MC_OK)
+        status = mc_alloc_list_push(&ld->allocations, buffer, bytes, ld->err);
+    if (status != MC_OK) {
+        be->ops->release(be, buffer);
+        return status;
+    }
+    *out = buffer;
+    return MC_OK;
+}

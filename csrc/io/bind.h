@@ -61,4 +61,12 @@ int mc_loader_has(const mc_loader *ld, const char *name);
 /* Shape of a tensor (ndim and dims) without binding it; MC_ERR_KEY when absent. */
 mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t shape[8]);
 
+/* Host-side variants for models that transform weights before upload
+ * (FID-Inception folds BatchNorm into its convolutions): mc_bind_host
+ * checks `name` exactly as mc_bind does and converts it to float32 into
+ * dst (numel floats, the stored C order); mc_loader_upload copies `floats`
+ * host floats into a fresh backend buffer recorded in the loader's list. */
+mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t *shape, float *dst);
+mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out);
+
 #endif

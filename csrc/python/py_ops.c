@@ -66,13 +66,28 @@
  *   cosine_rows  (a [rows,H*hd] strided, b [rows,H*hd] strided); heads
  *                -> out [rows] (mean over heads of the per-head cosine)
  *   attention_mass (q [B,nq,H*hd], k [B,keys,H*hd]); heads, scale=hd**-0.5
- *                -> out [B,keys] (softmax probabilities summed over heads and queries) */
+ *                -> out [B,keys] (softmax probabilities summed over heads and queries)
+ *   conv2d_ex    (x [B,H,W,Cin] pixel-strided, w [Cout,Cin,kh,kw] (PyTorch
+ *                layout; repacked here), bias [Cout]=None, y [B,OH,OW,Cout]
+ *                pixel-strided=None); stride_h=1, stride_w=1, pad_h=0,
+ *                pad_w=0, beta=0, relu=False, naive=False (CPU only: the
+ *                plain-loop reference kernel) -> y
+ *   avg_pool2d   (x [B,H,W,C] pixel-strided, y [B,OH,OW,C] pixel-strided=
+ *                None); kh, kw, count_include_pad (required), stride_h=kh,
+ *                stride_w=kw, pad_h=0, pad_w=0 -> y
+ *   max_pool2d   as avg_pool2d without count_include_pad -> y
+ *   resize_bilinear_tf1 (x [B,H,W,C] float32 or uint8,); out_h, out_w,
+ *                normalize=False -> y [B,out_h,out_w,C] float32
+ * "Pixel-strided": a 4-D view whose last axis is contiguous and whose
+ * pixels are evenly spaced (a channel slice x[..., a:b] of an NHWC array)
+ * is passed as is, with the pixel stride as ldx / ldy. */
 #include "py_numpy.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "../backend/cpu/cpu_internal.h" /* conv2d_ex's plain-loop reference (naive=True) */
 #include "../backend/ops.h"
 
 /* ------------------------------------------------------------------------
@@ -126,6 +141,8 @@ typedef struct op_call {
 } op_call;
 
 static size_t element_size(int typenum) {
+    if (typenum == NPY_UINT8)
+        return 1;
     return typenum == NPY_FLOAT ? sizeof(float) : sizeof(int32_t);
 }
 
@@ -134,6 +151,7 @@ static const char *dtype_name(int typenum) {
     case NPY_FLOAT: return "float32";
     case NPY_INT32: return "int32";
     case NPY_UINT32: return "uint32";
+    case NPY_UINT8: return "uint8";
     default: return "?";
     }
 }
@@ -1237,6 +1255,184 @@ static PyObject *run_attention_mass(op_call *call) {
 }
 
 /* ------------------------------------------------------------------------
+ * FID-Inception window ops. */
+
+/* Whether a 4-D operand is an NHWC image batch with evenly spaced pixels
+ * (row stride = width * pixel stride, image stride = height * row stride);
+ * otherwise it is copied to C order. */
+static int make_pixel_strided(op_call *call, operand *o) {
+    int64_t ld = o->stride[2];
+    if (o->stride[3] == 1 && o->stride[1] == o->shape[2] * ld &&
+        o->stride[0] == o->shape[1] * o->stride[1])
+        return 0;
+    return make_contiguous(call, o);
+}
+
+static int param_window(op_call *call, mc_window2d *g, long long kh, long long kw,
+                        long long stride_h_default, long long stride_w_default) {
+    long long sh, sw, ph, pw;
+    if (param_integer(call, "stride_h", 0, stride_h_default, 1, INT_MAX_LL, &sh) < 0 ||
+        param_integer(call, "stride_w", 0, stride_w_default, 1, INT_MAX_LL, &sw) < 0 ||
+        param_integer(call, "pad_h", 0, 0, 0, INT_MAX_LL, &ph) < 0 ||
+        param_integer(call, "pad_w", 0, 0, 0, INT_MAX_LL, &pw) < 0)
+        return -1;
+    g->kh = (int)kh;
+    g->kw = (int)kw;
+    g->stride_h = (int)sh;
+    g->stride_w = (int)sw;
+    g->pad_h = (int)ph;
+    g->pad_w = (int)pw;
+    if (g->height + 2 * ph < kh || g->width + 2 * pw < kw) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: the %lldx%lld window does not fit the %lldx%lld input padded by "
+                     "%lldx%lld",
+                     call->op_name, kh, kw, (long long)g->height, (long long)g->width, ph, pw);
+        return -1;
+    }
+    return 0;
+}
+
+/* The optional output y of a window op: checked against [B, OH, OW, C], or
+ * made as zeros (conv2d_ex with beta = 0 never reads it). */
+static int window_output(op_call *call, Py_ssize_t index, const mc_window2d *g, int64_t channels,
+                         operand **y) {
+    int64_t shape[4] = {g->batch, mc_window_out_h(g), mc_window_out_w(g), channels};
+    if (fetch_array(call, index, "y", NPY_FLOAT, 4, ARG_OPTIONAL, LAYOUT_STRIDED, y) < 0)
+        return -1;
+    if (*y == NULL)
+        return (*y = new_zeros(call, "y", NPY_FLOAT, 4, shape)) == NULL ? -1 : 0;
+    if (check_shape(call, *y,
+                    (dim_rule[]){RULE_EQ(shape[0]), RULE_EQ(shape[1]), RULE_EQ(shape[2]),
+                                 RULE_EQ(shape[3])}) < 0)
+        return -1;
+    return make_pixel_strided(call, *y);
+}
+
+static PyObject *run_conv2d_ex(op_call *call) {
+    static const char *const keys[] = {"stride_h", "stride_w", "pad_h", "pad_w", "beta",
+                                       "relu",     "naive",    NULL};
+    float beta;
+    int relu, naive;
+    operand *x, *w, *bias, *y;
+    if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
+        param_bool(call, "relu", 0, &relu) < 0 || param_bool(call, "naive", 0, &naive) < 0 ||
+        check_arity(call, 2, 4) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
+        make_pixel_strided(call, x) < 0 ||
+        fetch_array(call, 1, "w", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
+        fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0)
+        return NULL;
+    if (naive && strcmp(call->backend->ops->name, "cpu") != 0)
+        return raise_value(call, "param 'naive' selects the CPU reference kernel: CPU backend only");
+    int64_t cin = x->shape[3], cout = w->shape[0], kh = w->shape[2], kw = w->shape[3];
+    if (check_shape(call, w, (dim_rule[]){RULE_GE(1), RULE_EQ(cin), RULE_GE(1), RULE_GE(1)}) < 0 ||
+        (bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(cout)}) < 0))
+        return NULL;
+    if (kh > INT_MAX_LL || kw > INT_MAX_LL)
+        return raise_value(call, "argument 'w': kernel too large");
+    mc_window2d g = {.batch = x->shape[0], .height = x->shape[1], .width = x->shape[2]};
+    if (param_window(call, &g, kh, kw, 1, 1) < 0 || window_output(call, 3, &g, cout, &y) < 0)
+        return NULL;
+    PyArrayObject *packed = repack_conv_weight(w->host);
+    if (packed == NULL)
+        return NULL;
+    Py_DECREF(w->host);
+    w->host = packed;
+    if (!describe_layout(w, packed, 0)) {
+        PyErr_SetString(PyExc_RuntimeError, "conv2d_ex: cannot lay out the repacked weight");
+        return NULL;
+    }
+    if (upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    const float *bd = bias != NULL ? bias->device : NULL;
+    if (naive)
+        RUN_WITHOUT_GIL(status, mc_cpu_conv2d_ex_naive(call->backend, &g, x->device, cin,
+                                                       x->stride[2], w->device, bd, cout, beta,
+                                                       relu, y->device, y->stride[2], &call->err));
+    else
+        RUN_WITHOUT_GIL(status, call->backend->ops->conv2d_ex(
+                                    call->backend, &g, x->device, cin, x->stride[2], w->device, bd,
+                                    cout, beta, relu, y->device, y->stride[2], &call->err));
+    return finish_op(call, status, y);
+}
+
+/* Shared body of avg_pool2d (is_avg) and max_pool2d. */
+static PyObject *run_pool(op_call *call, int is_avg) {
+    static const char *const avg_keys[] = {"kh",    "kw",    "stride_h", "stride_w",
+                                           "pad_h", "pad_w", "count_include_pad", NULL};
+    const char *const *keys = avg_keys;
+    static const char *const max_keys[] = {"kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
+                                           NULL};
+    if (!is_avg)
+        keys = max_keys;
+    long long kh, kw;
+    int include_pad = 0;
+    operand *x, *y;
+    if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "kh", 1, 0, 1, INT_MAX_LL, &kh) < 0 ||
+        param_integer(call, "kw", 1, 0, 1, INT_MAX_LL, &kw) < 0 ||
+        (is_avg && param_value(call, "count_include_pad") == NULL &&
+         param_missing(call, "count_include_pad") < 0) ||
+        (is_avg && param_bool(call, "count_include_pad", 0, &include_pad) < 0) ||
+        check_arity(call, 1, 2) < 0 ||
+        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
+        make_pixel_strided(call, x) < 0)
+        return NULL;
+    mc_window2d g = {.batch = x->shape[0], .height = x->shape[1], .width = x->shape[2]};
+    int64_t channels = x->shape[3];
+    if (param_window(call, &g, kh, kw, kh, kw) < 0)
+        return NULL;
+    if (g.pad_h > g.kh / 2 || g.pad_w > g.kw / 2)
+        return raise_value(call, "padding must be at most half the window (kh // 2, kw // 2)");
+    if (window_output(call, 1, &g, channels, &y) < 0 || upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    if (is_avg)
+        RUN_WITHOUT_GIL(status, call->backend->ops->avg_pool2d(
+                                    call->backend, &g, x->device, channels, x->stride[2],
+                                    (int)include_pad, y->device, y->stride[2], &call->err));
+    else
+        RUN_WITHOUT_GIL(status, call->backend->ops->max_pool2d(call->backend, &g, x->device,
+                                                               channels, x->stride[2], y->device,
+                                                               y->stride[2], &call->err));
+    return finish_op(call, status, y);
+}
+
+static PyObject *run_avg_pool2d(op_call *call) { return run_pool(call, 1); }
+static PyObject *run_max_pool2d(op_call *call) { return run_pool(call, 0); }
+
+static PyObject *run_resize_bilinear_tf1(op_call *call) {
+    static const char *const keys[] = {"out_h", "out_w", "normalize", NULL};
+    long long out_h, out_w;
+    int normalize;
+    operand *x, *y;
+    if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "out_h", 1, 0, 1, 1 << 20, &out_h) < 0 ||
+        param_integer(call, "out_w", 1, 0, 1, 1 << 20, &out_w) < 0 ||
+        param_bool(call, "normalize", 0, &normalize) < 0 || check_arity(call, 1, 1) < 0)
+        return NULL;
+    PyObject *obj = PyTuple_GET_ITEM(call->inputs, 0);
+    int typenum = PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == NPY_UINT8
+                      ? NPY_UINT8
+                      : NPY_FLOAT;
+    if (fetch_array(call, 0, "x", typenum, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0)
+        return NULL;
+    if (x->shape[1] < 1 || x->shape[2] < 1 || x->shape[3] < 1)
+        return raise_value(call, "argument 'x': height, width and channels must be positive");
+    int64_t shape[4] = {x->shape[0], out_h, out_w, x->shape[3]};
+    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, shape)) == NULL || upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    RUN_WITHOUT_GIL(status, call->backend->ops->resize_bilinear_tf1(
+                                call->backend, x->device,
+                                typenum == NPY_UINT8 ? MC_PIXEL_U8 : MC_PIXEL_F32, x->shape[0],
+                                x->shape[1], x->shape[2], x->shape[3], out_h, out_w, normalize,
+                                y->device, &call->err));
+    return finish_op(call, status, y);
+}
+
+/* ------------------------------------------------------------------------
  * The op table: name, binding, and whether a backend fills the entry. */
 
 #define OP_PRESENCE(field) \
@@ -1259,6 +1455,10 @@ OP_PRESENCE(token_normals)
 OP_PRESENCE(axpby)
 OP_PRESENCE(cosine_rows)
 OP_PRESENCE(attention_mass)
+OP_PRESENCE(conv2d_ex)
+OP_PRESENCE(avg_pool2d)
+OP_PRESENCE(max_pool2d)
+OP_PRESENCE(resize_bilinear_tf1)
 
 typedef struct op_entry {
     const char *name;
@@ -1275,6 +1475,8 @@ static const op_entry op_table[] = {
     OP_ENTRY(groupnorm),     OP_ENTRY(conv2d),      OP_ENTRY(upsample_nearest2x),
     OP_ENTRY(cfg_combine),   OP_ENTRY(ddpm_step),   OP_ENTRY(token_normals),
     OP_ENTRY(axpby),         OP_ENTRY(cosine_rows), OP_ENTRY(attention_mass),
+    OP_ENTRY(conv2d_ex),     OP_ENTRY(avg_pool2d),  OP_ENTRY(max_pool2d),
+    OP_ENTRY(resize_bilinear_tf1),
 };
 
 #define OP_COUNT ((int)(sizeof op_table / sizeof op_table[0]))

@@ -323,3 +323,106 @@ def attention_mass(q, k, heads, scale=None):
         qs, ks = q[:, :, h * hd:(h + 1) * hd], k[:, :, h * hd:(h + 1) * hd]
         out += softmax(scale * np.einsum("bid,bjd->bij", qs, ks), axis=-1).sum(axis=1)
     return out
+# --------------------------------------------------------------------------
+# FID-Inception window ops (eval_and_formats.md 3-4), NHWC
+# --------------------------------------------------------------------------
+
+def window_out_size(size, k, stride, pad):
+    """PyTorch's output size (floor): (size + 2 pad - k) // stride + 1."""
+    return (size + 2 * pad - k) // stride + 1
+
+
+def conv2d_ex(x, w, bias=None, stride=(1, 1), pad=(0, 0), beta=0.0, y=None, relu=False):
+    """General 2-D convolution, NHWC: x [N, H, W, Cin], w in PyTorch layout
+    [Cout, Cin, kh, kw], zero padding pad = (ph, pw), strides (sh, sw).
+    out[n, i, j, o] = sum_{c, dy, dx} xpad[n, i sh + dy, j sw + dx, c] w[o, c, dy, dx];
+    result = relu?(beta * y + out + bias)."""
+    x = f64(x)
+    w = f64(w)
+    cout, cin, kh, kw = w.shape
+    if x.shape[-1] != cin:
+        raise ValueError("bad conv shapes %s %s" % (x.shape, w.shape))
+    (sh, sw), (ph, pw) = stride, pad
+    n, hgt, wid, _ = x.shape
+    oh, ow = window_out_size(hgt, kh, sh, ph), window_out_size(wid, kw, sw, pw)
+    xp = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
+    out = np.zeros((n, oh, ow, cout))
+    for dy in range(kh):
+        for dx in range(kw):
+            tap = xp[:, dy:dy + sh * (oh - 1) + 1:sh, dx:dx + sw * (ow - 1) + 1:sw, :]
+            out += tap @ w[:, :, dy, dx].T
+    if bias is not None:
+        out += f64(bias)
+    if beta != 0.0:
+        out = float(beta) * f64(y) + out
+    if relu:
+        out = np.maximum(out, 0.0)
+    return out
+
+
+def _pool_windows(x, kh, kw, stride, pad, fill):
+    """[N, OH, OW, kh * kw, C] window taps of x padded with `fill`, and the
+    matching mask of taps inside the image."""
+    x = f64(x)
+    (sh, sw), (ph, pw) = stride, pad
+    n, hgt, wid, c = x.shape
+    oh, ow = window_out_size(hgt, kh, sh, ph), window_out_size(wid, kw, sw, pw)
+    xp = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=fill)
+    inside = np.pad(np.ones((hgt, wid)), ((ph, ph), (pw, pw)))
+    taps, masks = [], []
+    for dy in range(kh):
+        for dx in range(kw):
+            taps.append(xp[:, dy:dy + sh * (oh - 1) + 1:sh, dx:dx + sw * (ow - 1) + 1:sw, :])
+            masks.append(inside[dy:dy + sh * (oh - 1) + 1:sh, dx:dx + sw * (ow - 1) + 1:sw])
+    return np.stack(taps, axis=3), np.stack(masks, axis=2)
+
+
+def avg_pool2d(x, kh, kw, stride=None, pad=(0, 0), count_include_pad=True):
+    """PyTorch avg_pool2d on NHWC (stride defaults to the kernel). With
+    count_include_pad=False the divisor is the number of taps inside the
+    image (TF's average pool); else kh * kw."""
+    stride = stride or (kh, kw)
+    taps, mask = _pool_windows(x, kh, kw, stride, pad, 0.0)
+    total = taps.sum(axis=3)
+    if count_include_pad:
+        return total / (kh * kw)
+    return total / mask.sum(axis=2)[None, :, :, None]
+
+
+def max_pool2d(x, kh, kw, stride=None, pad=(0, 0)):
+    """PyTorch max_pool2d on NHWC (padding never wins)."""
+    stride = stride or (kh, kw)
+    taps, _ = _pool_windows(x, kh, kw, stride, pad, -np.inf)
+    return taps.max(axis=3)
+
+
+def tf1_grid(in_size, out_size):
+    """One axis of TF1 bilinear resizing (align_corners=False, no half-pixel
+    offset), in float32 as torch-fidelity's 'slow' method and TF compute it:
+    scale = float32(in / out); src = float32(o) * scale; lo = floor(src);
+    hi = min(lo + 1, in - 1); frac = src - lo."""
+    scale = np.float32(in_size / out_size)
+    src = np.arange(out_size, dtype=np.float32) * scale
+    lo = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    hi = np.minimum(lo + 1, in_size - 1)
+    frac = (src - lo.astype(np.float32)).astype(np.float32)
+    return lo, hi, frac
+
+
+def resize_bilinear_tf1(x, out_h, out_w, normalize=False):
+    """TF1 bilinear resize of NHWC images (eval_and_formats.md 4). This one
+    is float32 by definition, not float64: the semantics are TF's float32
+    arithmetic, and the engine must match it bit for bit. uint8 input is
+    converted to float32 first; normalize applies (y - 128) / 128."""
+    x = np.asarray(x).astype(np.float32)
+    ly, hy, fy = tf1_grid(x.shape[1], out_h)
+    lx, hx, fx = tf1_grid(x.shape[2], out_w)
+    fx = fx[None, None, :, None]
+    top_l, top_r = x[:, ly][:, :, lx], x[:, ly][:, :, hx]
+    bot_l, bot_r = x[:, hy][:, :, lx], x[:, hy][:, :, hx]
+    top = top_l + (top_r - top_l) * fx
+    bot = bot_l + (bot_r - bot_l) * fx
+    out = top + (bot - top) * fy[None, :, None, None]
+    if normalize:
+        out = (out - np.float32(128)) / np.float32(128)
+    return out.astype(np.float32)

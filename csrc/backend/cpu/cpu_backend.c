@@ -156,6 +156,10 @@ static const mc_ops cpu_ops = {
     .axpby = mc_cpu_axpby,
     .cosine_rows = mc_cpu_cosine_rows,
     .attention_mass = mc_cpu_attention_mass,
+    .conv2d_ex = mc_cpu_conv2d_ex,
+    .avg_pool2d = mc_cpu_avg_pool2d,
+    .max_pool2d = mc_cpu_max_pool2d,
+    .resize_bilinear_tf1 = mc_cpu_resize_bilinear_tf1,
 };
 
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {

@@ -76,4 +76,21 @@ mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int h
 float mc_gelu_erf(float x);
 float mc_silu(float x);
 
+/* Window ops for FID-Inception (cpu_window.c). */
+mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
+                           int64_t ldx, const float *w, const float *bias, int64_t cout, float beta,
+                           int relu, float *y, int64_t ldy, mc_err *err);
+/* Plain-loop reference of mc_cpu_conv2d_ex (same contract), for tests. */
+mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
+                                 int64_t ldx, const float *w, const float *bias, int64_t cout,
+                                 float beta, int relu, float *y, int64_t ldy, mc_err *err);
+mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
+                            int64_t ldx, int count_include_pad, float *y, int64_t ldy, mc_err *err);
+mc_status mc_cpu_max_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
+                            int64_t ldx, float *y, int64_t ldy, mc_err *err);
+mc_status mc_cpu_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_type type,
+                                     int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
+                                     int64_t out_h, int64_t out_w, int normalize, float *y,
+                                     mc_err *err);
+
 #endif

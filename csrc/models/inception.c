@@ -1,0 +1,712 @@
+/* FID-Inception on the backend op table (inception.h has the contract).
+ *
+ * Layout (pytorch-fid fid_inception_v3 / torch-fidelity inception-v3-compat):
+ *   Conv2d_1a_3x3 (3x3 s2) Conv2d_2a_3x3 (3x3) Conv2d_2b_3x3 (3x3 p1)
+ *   MaxPool 3 s2, Conv2d_3b_1x1, Conv2d_4a_3x3 (3x3), MaxPool 3 s2
+ *   Mixed_5b/5c/5d  FIDInceptionA   [1x1 | 1x1,5x5 | 1x1,3x3,3x3 | avg,1x1]
+ *   Mixed_6a        InceptionB      [3x3 s2 | 1x1,3x3,3x3 s2 | max 3 s2]
+ *   Mixed_6b..6e    FIDInceptionC   [1x1 | 1x1,1x7,7x1 | 1x1,7x1,1x7,7x1,1x7 | avg,1x1]
+ *   Mixed_7a        InceptionD      [1x1,3x3 s2 | 1x1,1x7,7x1,3x3 s2 | max 3 s2]
+ *   Mixed_7b        FIDInceptionE_1 [1x1 | 1x1,(1x3 | 3x1) | 1x1,3x3,(1x3 | 3x1) | avg,1x1]
+ *   Mixed_7c        FIDInceptionE_2 (the same with max 3 s1 p1 in branch_pool)
+ *   global average pool, fc without bias.
+ * Every conv is BasicConv2d: conv (no bias) + BatchNorm(eps 1e-3) + ReLU,
+ * here one conv2d_ex with the folded weight/bias and the fused ReLU. The
+ * average pools are 3x3 s1 p1 without counting padding.
+ *
+ * Activations: two ping-pong buffers for the main path (a block reads one
+ * and writes its concatenated output into the other, each branch straight
+ * into its channel slice via the ops' pixel stride) and two temporaries for
+ * branch intermediates. Their sizes come from running the forward once in
+ * "plan" mode at load, which walks exactly the shapes of the real pass. */
+#include "inception.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../io/bind.h"
+
+#define INC_NAME_LEN 128
+
+/* ----------------------------------------------------------------- layout */
+
+typedef struct inc_conv {
+    int64_t cin, cout;
+    int kh, kw, sh, sw, ph, pw;
+    float *w; /* folded, packed [cout, kh, kw, cin] */
+    float *b; /* folded [cout] */
+} inc_conv;
+
+typedef struct inc_a { inc_conv b1x1, b5_1, b5_2, d1, d2, d3, pool; } inc_a;
+typedef struct inc_b { inc_conv b3, d1, d2, d3; } inc_b;
+typedef struct inc_c { inc_conv b1x1, c1, c2, c3, d1, d2, d3, d4, d5, pool; } inc_c;
+typedef struct inc_d { inc_conv a1, a2, b1, b2, b3, b4; } inc_d;
+typedef struct inc_e { inc_conv b1x1, a1, a2a, a2b, d1, d2, d3a, d3b, pool; } inc_e;
+
+enum { SLOT_X, SLOT_Y, SLOT_T1, SLOT_T2, SLOT_POOL, SLOT_LOGITS, SLOT_COUNT };
+
+struct mc_inception {
+    mc_backend *be;
+    mc_inception_info info;
+    mc_alloc_list weights;
+
+    inc_conv c1a, c2a, c2b, c3b, c4a;
+    inc_a m5b, m5c, m5d;
+    inc_b m6a;
+    inc_c m6b, m6c, m6d, m6e;
+    inc_d m7a;
+    inc_e m7b, m7c;
+    float *fc_w; /* [num_classes, feature_dim] */
+
+    float *buf[SLOT_COUNT];
+    size_t buf_floats[SLOT_COUNT];
+    uint8_t *input;      /* uint8 images of one chunk, backend memory */
+    size_t input_bytes;
+};
+
+/* ---------------------------------------------------------------- loading */
+
+typedef struct inc_loader {
+    mc_loader loader;
+    mc_err *err;
+    const char *path;
+    int64_t num_params;
+    char (*bound)[INC_NAME_LEN];
+    int64_t n_bound, cap_bound;
+} inc_loader;
+
+static mc_status note_bound(inc_loader *L, const char *name, int64_t numel) {
+    if (L->n_bound == L->cap_bound) {
+        int64_t cap = L->cap_bound ? 2 * L->cap_bound : 512;
+        void *grown = realloc(L->bound, (size_t)cap * INC_NAME_LEN);
+        if (grown == NULL)
+            return mc_fail(L->err, MC_ERR_NOMEM, "Inception: cannot allocate the list of bound names");
+        L->bound = grown;
+        L->cap_bound = cap;
+    }
+    snprintf(L->bound[L->n_bound++], INC_NAME_LEN, "%s", name);
+    L->num_params += numel;
+    return MC_OK;
+}
+
+static mc_status read_host(inc_loader *L, const char *name, int ndim, const int64_t *shape, float *dst) {
+    MC_TRY(mc_bind_host(&L->loader, name, ndim, shape, dst));
+    int64_t numel = 1;
+    for (int d = 0; d < ndim; d++)
+        numel *= shape[d];
+    return note_bound(L, name, numel);
+}
+
+/* Binds "<prefix>.conv.weight" [cout, cin, kh, kw] (cout read from the
+ * file, the rest checked) and "<prefix>.bn.*" [cout]; folds BatchNorm:
+ *   s = gamma / sqrt(var + eps),  w' = w * s,  b' = beta - mean * s. */
+static mc_status load_conv(inc_loader *L, inc_conv *c, const char *prefix, int64_t cin, int kh,
+                           int kw, int sh, int sw, int ph, int pw) {
+    char name[2 * INC_NAME_LEN];
+    int ndim;
+    int64_t shape[8];
+    snprintf(name, sizeof name, "%s.conv.weight", prefix);
+    MC_TRY(mc_loader_shape(&L->loader, name, &ndim, shape));
+    if (ndim != 4 || shape[0] <= 0 || shape[1] != cin || shape[2] != kh || shape[3] != kw)
+        return mc_fail(L->err, MC_ERR_VALUE,
+                       "%s: key '%s' has shape [%lld, %lld, %lld, %lld] (rank %d), expected "
+                       "[C_out, %lld, %d, %d] (the FID-Inception layout)",
+                       L->path, name, (long long)(ndim > 0 ? shape[0] : 0),
+                       (long long)(ndim > 1 ? shape[1] : 0), (long long)(ndim > 2 ? shape[2] : 0),
+                       (long long)(ndim > 3 ? shape[3] : 0), ndim, (long long)cin, kh, kw);
+    const int64_t cout = shape[0];
+    const int64_t taps = (int64_t)kh * kw * cin;
+    c->cin = cin;
+    c->cout = cout;
+    c->kh = kh;
+    c->kw = kw;
+    c->sh = sh;
+    c->sw = sw;
+    c->ph = ph;
+    c->pw = pw;
+
+    size_t wfloats = (size_t)(cout * taps);
+    float *host = malloc((2 * wfloats + 4 * (size_t)cout) * sizeof(float));
+    if (host == NULL)
+        return mc_fail(L->err, MC_ERR_NOMEM, "Inception: cannot allocate %zu floats to fold '%s'",
+                       2 * wfloats + 4 * (size_t)cout, name);
+    float *w = host, *packed = host + wfloats, *bn = packed + wfloats;
+    float *gamma = bn, *beta = bn + cout, *mean = bn + 2 * cout, *var = bn + 3 * cout;
+    mc_status st = read_host(L, name, 4, shape, w);
+    static const char *const bn_names[4] = {"weight", "bias", "running_mean", "running_var"};
+    for (int i = 0; i < 4 && st == MC_OK; i++) {
+        snprintf(name, sizeof name, "%s.bn.%s", prefix, bn_names[i]);
+        st = read_host(L, name, 1, (int64_t[]){cout}, bn + i * cout);
+    }
+    float *bias = gamma; /* reuse: the folded bias overwrites gamma after use */
+    for (int64_t o = 0; o < cout && st == MC_OK; o++) {
+        double v = (double)var[o] + MC_INCEPTION_BN_EPS;
+        if (!(v > 0.0) || !isfinite((double)var[o]))
+            st = mc_fail(L->err, MC_ERR_VALUE,
+                         "%s: key '%s.bn.running_var' has entry %lld = %g: a variance must be "
+                         ">= 0 and finite",
+                         L->path, prefix, (long long)o, (double)var[o]);
+        if (st != MC_OK)
+            break;
+        double s = (double)gamma[o] / sqrt(v);
+        for (int64_t i = 0; i < cin; i++)
+            for (int y = 0; y < kh; y++)
+                for (int x = 0; x < kw; x++)
+                    packed[((o * kh + y) * kw + x) * cin + i] =
+                        (float)((double)w[((o * cin + i) * kh + y) * kw + x] * s);
+        bias[o] = (float)((double)beta[o] - (double)mean[o] * s);
+    }
+    if (st == MC_OK)
+        st = mc_loader_upload(&L->loader, packed, wfloats, &c->w);
+    if (st == MC_OK)
+        st = mc_loader_upload(&L->loader, bias, (size_t)cout, &c->b);
+    free(host);
+    return st;
+}
+
+#define LOADC(conv, block, branch, cin, kh, kw, sh, sw, ph, pw)                                \
+    do {                                                                                     \
+        char prefix_[INC_NAME_LEN];                                                          \
+        snprintf(prefix_, sizeof prefix_, "%s.%s", block, branch);                           \
+        MC_TRY(load_conv(L, conv, prefix_, cin, kh, kw, sh, sw, ph, pw));                    \
+    } while (0)
+
+static mc_status load_a(inc_loader *L, inc_a *m, const char *name, int64_t cin, int64_t *cout) {
+    LOADC(&m->b1x1, name, "branch1x1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->b5_1, name, "branch5x5_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->b5_2, name, "branch5x5_2", m->b5_1.cout, 5, 5, 1, 1, 2, 2);
+    LOADC(&m->d1, name, "branch3x3dbl_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->d2, name, "branch3x3dbl_2", m->d1.cout, 3, 3, 1, 1, 1, 1);
+    LOADC(&m->d3, name, "branch3x3dbl_3", m->d2.cout, 3, 3, 1, 1, 1, 1);
+    LOADC(&m->pool, name, "branch_pool", cin, 1, 1, 1, 1, 0, 0);
+    *cout = m->b1x1.cout + m->b5_2.cout + m->d3.cout + m->pool.cout;
+    return MC_OK;
+}
+
+static mc_status load_b(inc_loader *L, inc_b *m, const char *name, int64_t cin, int64_t *cout) {
+    LOADC(&m->b3, name, "branch3x3", cin, 3, 3, 2, 2, 0, 0);
+    LOADC(&m->d1, name, "branch3x3dbl_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->d2, name, "branch3x3dbl_2", m->d1.cout, 3, 3, 1, 1, 1, 1);
+    LOADC(&m->d3, name, "branch3x3dbl_3", m->d2.cout, 3, 3, 2, 2, 0, 0);
+    *cout = m->b3.cout + m->d3.cout + cin;
+    return MC_OK;
+}
+
+static mc_status load_c(inc_loader *L, inc_c *m, const char *name, int64_t cin, int64_t *cout) {
+    LOADC(&m->b1x1, name, "branch1x1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->c1, name, "branch7x7_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->c2, name, "branch7x7_2", m->c1.cout, 1, 7, 1, 1, 0, 3);
+    LOADC(&m->c3, name, "branch7x7_3", m->c2.cout, 7, 1, 1, 1, 3, 0);
+    LOADC(&m->d1, name, "branch7x7dbl_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->d2, name, "branch7x7dbl_2", m->d1.cout, 7, 1, 1, 1, 3, 0);
+    LOADC(&m->d3, name, "branch7x7dbl_3", m->d2.cout, 1, 7, 1, 1, 0, 3);
+    LOADC(&m->d4, name, "branch7x7dbl_4", m->d3.cout, 7, 1, 1, 1, 3, 0);
+    LOADC(&m->d5, name, "branch7x7dbl_5", m->d4.cout, 1, 7, 1, 1, 0, 3);
+    LOADC(&m->pool, name, "branch_pool", cin, 1, 1, 1, 1, 0, 0);
+    *cout = m->b1x1.cout + m->c3.cout + m->d5.cout + m->pool.cout;
+    return MC_OK;
+}
+
+static mc_status load_d(inc_loader *L, inc_d *m, const char *name, int64_t cin, int64_t *cout) {
+    LOADC(&m->a1, name, "branch3x3_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->a2, name, "branch3x3_2", m->a1.cout, 3, 3, 2, 2, 0, 0);
+    LOADC(&m->b1, name, "branch7x7x3_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->b2, name, "branch7x7x3_2", m->b1.cout, 1, 7, 1, 1, 0, 3);
+    LOADC(&m->b3, name, "branch7x7x3_3", m->b2.cout, 7, 1, 1, 1, 3, 0);
+    LOADC(&m->b4, name, "branch7x7x3_4", m->b3.cout, 3, 3, 2, 2, 0, 0);
+    *cout = m->a2.cout + m->b4.cout + cin;
+    return MC_OK;
+}
+
+static mc_status load_e(inc_loader *L, inc_e *m, const char *name, int64_t cin, int64_t *cout) {
+    LOADC(&m->b1x1, name, "branch1x1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->a1, name, "branch3x3_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->a2a, name, "branch3x3_2a", m->a1.cout, 1, 3, 1, 1, 0, 1);
+    LOADC(&m->a2b, name, "branch3x3_2b", m->a1.cout, 3, 1, 1, 1, 1, 0);
+    LOADC(&m->d1, name, "branch3x3dbl_1", cin, 1, 1, 1, 1, 0, 0);
+    LOADC(&m->d2, name, "branch3x3dbl_2", m->d1.cout, 3, 3, 1, 1, 1, 1);
+    LOADC(&m->d3a, name, "branch3x3dbl_3a", m->d2.cout, 1, 3, 1, 1, 0, 1);
+    LOADC(&m->d3b, name, "branch3x3dbl_3b", m->d2.cout, 3, 1, 1, 1, 1, 0);
+    LOADC(&m->pool, name, "branch_pool", cin, 1, 1, 1, 1, 0, 0);
+    *cout = m->b1x1.cout + m->a2a.cout + m->a2b.cout + m->d3a.cout + m->d3b.cout + m->pool.cout;
+    return MC_OK;
+}
+
+static mc_status load_stem(inc_loader *L, inc_conv *c, const char *name, int64_t cin, int k, int s,
+                           int p) {
+    return load_conv(L, c, name, cin, k, k, s, s, p, p);
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), m = strlen(suffix);
+    return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
+/* Every tensor of the file must have been read, except BatchNorm's
+ * num_batches_tracked counters: anything else means another network
+ * (torchvision's ImageNet Inception, for one, has AuxLogits.*). */
+static mc_status check_nothing_left(const mc_st_file *file, inc_loader *L) {
+    for (int64_t i = 0; i < file->n_tensors; i++) {
+        const char *name = file->tensors[i].name;
+        if (ends_with(name, ".num_batches_tracked"))
+            continue;
+        int found = 0;
+        for (int64_t j = 0; j < L->n_bound && !found; j++)
+            found = strcmp(L->bound[j], name) == 0;
+        if (!found)
+            return mc_fail(L->err, MC_ERR_VALUE,
+                           "%s: unexpected tensor '%s': not part of the FID-Inception layout "
+                           "(pytorch-fid fid_inception_v3 state_dict names; torchvision's ImageNet "
+                           "Inception v3 is a different network)",
+                           L->path, name);
+    }
+    return MC_OK;
+}
+
+/* Widths of the real network, to tell a test-sized one apart. */
+static int is_standard(const mc_inception *net) {
+    return net->c1a.cout == 32 && net->c2a.cout == 32 && net->c2b.cout == 64 &&
+           net->c3b.cout == 80 && net->c4a.cout == 192 && net->m5b.pool.cout == 32 &&
+           net->m5c.pool.cout == 64 && net->m6b.c1.cout == 128 && net->m6c.c1.cout == 160 &&
+           net->m6e.c1.cout == 192 && net->m7a.a2.cout == 320 && net->info.feature_dim == 2048 &&
+           net->info.num_classes == 1008;
+}
+
+static mc_status load_all(inc_loader *L, mc_inception *net) {
+    int64_t c;
+    MC_TRY(load_stem(L, &net->c1a, "Conv2d_1a_3x3", 3, 3, 2, 0));
+    MC_TRY(load_stem(L, &net->c2a, "Conv2d_2a_3x3", net->c1a.cout, 3, 1, 0));
+    MC_TRY(load_stem(L, &net->c2b, "Conv2d_2b_3x3", net->c2a.cout, 3, 1, 1));
+    MC_TRY(load_stem(L, &net->c3b, "Conv2d_3b_1x1", net->c2b.cout, 1, 1, 0));
+    MC_TRY(load_stem(L, &net->c4a, "Conv2d_4a_3x3", net->c3b.cout, 3, 1, 0));
+    MC_TRY(load_a(L, &net->m5b, "Mixed_5b", net->c4a.cout, &c));
+    MC_TRY(load_a(L, &net->m5c, "Mixed_5c", c, &c));
+    MC_TRY(load_a(L, &net->m5d, "Mixed_5d", c, &c));
+    MC_TRY(load_b(L, &net->m6a, "Mixed_6a", c, &c));
+    MC_TRY(load_c(L, &net->m6b, "Mixed_6b", c, &c));
+    MC_TRY(load_c(L, &net->m6c, "Mixed_6c", c, &c));
+    MC_TRY(load_c(L, &net->m6d, "Mixed_6d", c, &c));
+    MC_TRY(load_c(L, &net->m6e, "Mixed_6e", c, &c));
+    MC_TRY(load_d(L, &net->m7a, "Mixed_7a", c, &c));
+    MC_TRY(load_e(L, &net->m7b, "Mixed_7b", c, &c));
+    MC_TRY(load_e(L, &net->m7c, "Mixed_7c", c, &c));
+    net->info.feature_dim = c;
+
+    int ndim;
+    int64_t shape[8];
+    MC_TRY(mc_loader_shape(&L->loader, "fc.weight", &ndim, shape));
+    if (ndim != 2 || shape[0] <= 0 || shape[1] != c)
+        return mc_fail(L->err, MC_ERR_VALUE,
+                       "%s: key 'fc.weight' must have shape [num_classes, %lld] (Mixed_7c's "
+                       "width), got rank %d [%lld, ...]",
+                       L->path, (long long)c, ndim, (long long)(ndim > 0 ? shape[0] : 0));
+    net->info.num_classes = shape[0];
+    MC_TRY(mc_bind(&L->loader, "fc.weight", 2, shape, MC_BIND_AS_IS, &net->fc_w));
+    MC_TRY(note_bound(L, "fc.weight", shape[0] * shape[1]));
+    /* The bias is not used (IS takes the unbiased logits) but must be there:
+     * its absence would mean another layout. */
+    int64_t bias_shape[1] = {shape[0]};
+    const mc_st_tensor *t = mc_st_find(L->loader.file, "fc.bias");
+    if (t == NULL || t->ndim != 1 || t->shape[0] != bias_shape[0])
+        return mc_fail(L->err, t == NULL ? MC_ERR_KEY : MC_ERR_VALUE,
+                       "%s: key 'fc.bias' %s (expected shape [%lld])", L->path,
+                       t == NULL ? "is missing" : "has the wrong shape", (long long)bias_shape[0]);
+    return note_bound(L, "fc.bias", bias_shape[0]);
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* A place in one of the slots: column `col` of rows `ld` floats apart. */
+typedef struct inc_view {
+    int slot;
+    int64_t col, ld;
+} inc_view;
+
+static inc_view view(int slot, int64_t col, int64_t ld) {
+    inc_view v = {slot, col, ld};
+    return v;
+}
+
+/* A pass over one chunk. In plan mode nothing runs: each op only records
+ * how many floats its output slot needs, and the FLOPs of one image. */
+typedef struct inc_run {
+    mc_inception *net;
+    int plan;
+    int64_t batch;
+    size_t need[SLOT_COUNT];
+    double flops;
+    int (*cancel)(void *);
+    void *cancel_ctx;
+    mc_err *err;
+} inc_run;
+
+static float *at(inc_run *r, inc_view v) { return r->net->buf[v.slot] + v.col; }
+
+static void record(inc_run *r, inc_view out, int64_t pixels) {
+    size_t floats = (size_t)(r->batch * pixels * out.ld);
+    if (floats > r->need[out.slot])
+        r->need[out.slot] = floats;
+}
+
+static mc_status conv(inc_run *r, const inc_conv *c, inc_view in, int64_t h, int64_t w,
+                      inc_view out, int64_t *oh, int64_t *ow) {
+    mc_window2d g = {.batch = r->batch, .height = h, .width = w, .kh = c->kh, .kw = c->kw,
+                     .stride_h = c->sh, .stride_w = c->sw, .pad_h = c->ph, .pad_w = c->pw};
+    *oh = mc_window_out_h(&g);
+    *ow = mc_window_out_w(&g);
+    if (*oh < 1 || *ow < 1)
+        return mc_fail(r->err, MC_ERR_INTERNAL, "Inception: a %dx%d conv does not fit %lldx%lld",
+                       c->kh, c->kw, (long long)h, (long long)w);
+    if (r->plan) {
+        record(r, out, *oh * *ow);
+        r->flops += 2.0 * (double)(*oh * *ow) * (double)c->cout * (double)(c->kh * c->kw) *
+                    (double)c->cin;
+        return MC_OK;
+    }
+    mc_backend *be = r->net->be;
+    return be->ops->conv2d_ex(be, &g, at(r, in), c->cin, in.ld, c->w, c->b, c->cout, 0.0f, 1,
+                              at(r, out), out.ld, r->err);
+}
+
+/* 3x3 pool: max (stride 1 pad 1 or stride 2 valid) or average (stride 1 pad
+ * 1, padding not counted). */
+static mc_status pool(inc_run *r, int is_max, int stride, inc_view in, int64_t channels, int64_t h,
+                      int64_t w, inc_view out, int64_t *oh, int64_t *ow) {
+    int pad = stride == 1 ? 1 : 0;
+    mc_window2d g = {.batch = r->batch, .height = h, .width = w, .kh = 3, .kw = 3,
+                     .stride_h = stride, .stride_w = stride, .pad_h = pad, .pad_w = pad};
+    *oh = mc_window_out_h(&g);
+    *ow = mc_window_out_w(&g);
+    if (r->plan) {
+        record(r, out, *oh * *ow);
+        return MC_OK;
+    }
+    mc_backend *be = r->net->be;
+    if (is_max)
+        return be->ops->max_pool2d(be, &g, at(r, in), channels, in.ld, at(r, out), out.ld, r->err);
+    return be->ops->avg_pool2d(be, &g, at(r, in), channels, in.ld, 0, at(r, out), out.ld, r->err);
+}
+
+static mc_status check_cancel(inc_run *r) {
+    if (!r->plan && r->cancel != NULL && r->cancel(r->cancel_ctx))
+        return mc_fail(r->err, MC_ERR_INTERRUPTED, "Inception was interrupted");
+    return MC_OK;
+}
+
+/* Each block reads x (slot xs, contiguous, cin channels) at h x w and writes
+ * its concatenation into slot ys (contiguous, its output width), updating
+ * h and w. */
+static mc_status block_a(inc_run *r, const inc_a *m, int xs, int ys, int64_t cin, int64_t *h,
+                         int64_t *w) {
+    const int64_t cout = m->b1x1.cout + m->b5_2.cout + m->d3.cout + m->pool.cout;
+    inc_view x = view(xs, 0, cin);
+    int64_t oh, ow, col = 0;
+    MC_TRY(conv(r, &m->b1x1, x, *h, *w, view(ys, col, cout), &oh, &ow));
+    col += m->b1x1.cout;
+    MC_TRY(conv(r, &m->b5_1, x, *h, *w, view(SLOT_T1, 0, m->b5_1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->b5_2, view(SLOT_T1, 0, m->b5_1.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->b5_2.cout;
+    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d3, view(SLOT_T2, 0, m->d2.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->d3.cout;
+    MC_TRY(pool(r, 0, 1, x, cin, *h, *w, view(SLOT_T1, 0, cin), &oh, &ow));
+    MC_TRY(conv(r, &m->pool, view(SLOT_T1, 0, cin), oh, ow, view(ys, col, cout), &oh, &ow));
+    *h = oh;
+    *w = ow;
+    return MC_OK;
+}
+
+static mc_status block_b(inc_run *r, const inc_b *m, int xs, int ys, int64_t cin, int64_t *h,
+                         int64_t *w) {
+    const int64_t cout = m->b3.cout + m->d3.cout + cin;
+    inc_view x = view(xs, 0, cin);
+    int64_t oh, ow, col = 0;
+    MC_TRY(conv(r, &m->b3, x, *h, *w, view(ys, col, cout), &oh, &ow));
+    col += m->b3.cout;
+    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d3, view(SLOT_T2, 0, m->d2.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->d3.cout;
+    MC_TRY(pool(r, 1, 2, x, cin, *h, *w, view(ys, col, cout), &oh, &ow));
+    *h = oh;
+    *w = ow;
+    return MC_OK;
+}
+
+static mc_status block_c(inc_run *r, const inc_c *m, int xs, int ys, int64_t cin, int64_t *h,
+                         int64_t *w) {
+    const int64_t cout = m->b1x1.cout + m->c3.cout + m->d5.cout + m->pool.cout;
+    inc_view x = view(xs, 0, cin);
+    int64_t oh, ow, col = 0;
+    MC_TRY(conv(r, &m->b1x1, x, *h, *w, view(ys, col, cout), &oh, &ow));
+    col += m->b1x1.cout;
+    MC_TRY(conv(r, &m->c1, x, *h, *w, view(SLOT_T1, 0, m->c1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->c2, view(SLOT_T1, 0, m->c1.cout), oh, ow, view(SLOT_T2, 0, m->c2.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->c3, view(SLOT_T2, 0, m->c2.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->c3.cout;
+    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d3, view(SLOT_T2, 0, m->d2.cout), oh, ow, view(SLOT_T1, 0, m->d3.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d4, view(SLOT_T1, 0, m->d3.cout), oh, ow, view(SLOT_T2, 0, m->d4.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d5, view(SLOT_T2, 0, m->d4.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->d5.cout;
+    MC_TRY(pool(r, 0, 1, x, cin, *h, *w, view(SLOT_T1, 0, cin), &oh, &ow));
+    MC_TRY(conv(r, &m->pool, view(SLOT_T1, 0, cin), oh, ow, view(ys, col, cout), &oh, &ow));
+    *h = oh;
+    *w = ow;
+    return MC_OK;
+}
+
+static mc_status block_d(inc_run *r, const inc_d *m, int xs, int ys, int64_t cin, int64_t *h,
+                         int64_t *w) {
+    const int64_t cout = m->a2.cout + m->b4.cout + cin;
+    inc_view x = view(xs, 0, cin);
+    int64_t oh, ow, col = 0;
+    MC_TRY(conv(r, &m->a1, x, *h, *w, view(SLOT_T1, 0, m->a1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->a2, view(SLOT_T1, 0, m->a1.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->a2.cout;
+    MC_TRY(conv(r, &m->b1, x, *h, *w, view(SLOT_T1, 0, m->b1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->b2, view(SLOT_T1, 0, m->b1.cout), oh, ow, view(SLOT_T2, 0, m->b2.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->b3, view(SLOT_T2, 0, m->b2.cout), oh, ow, view(SLOT_T1, 0, m->b3.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->b4, view(SLOT_T1, 0, m->b3.cout), oh, ow, view(ys, col, cout), &oh, &ow));
+    col += m->b4.cout;
+    MC_TRY(pool(r, 1, 2, x, cin, *h, *w, view(ys, col, cout), &oh, &ow));
+    *h = oh;
+    *w = ow;
+    return MC_OK;
+}
+
+static mc_status block_e(inc_run *r, const inc_e *m, int max_pool, int xs, int ys, int64_t cin,
+                         int64_t *h, int64_t *w) {
+    const int64_t cout =
+        m->b1x1.cout + m->a2a.cout + m->a2b.cout + m->d3a.cout + m->d3b.cout + m->pool.cout;
+    inc_view x = view(xs, 0, cin);
+    int64_t oh, ow, h1, w1, col = 0;
+    MC_TRY(conv(r, &m->b1x1, x, *h, *w, view(ys, col, cout), &oh, &ow));
+    col += m->b1x1.cout;
+    MC_TRY(conv(r, &m->a1, x, *h, *w, view(SLOT_T1, 0, m->a1.cout), &h1, &w1));
+    MC_TRY(conv(r, &m->a2a, view(SLOT_T1, 0, m->a1.cout), h1, w1, view(ys, col, cout), &oh, &ow));
+    col += m->a2a.cout;
+    MC_TRY(conv(r, &m->a2b, view(SLOT_T1, 0, m->a1.cout), h1, w1, view(ys, col, cout), &oh, &ow));
+    col += m->a2b.cout;
+    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
+    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &h1, &w1));
+    MC_TRY(conv(r, &m->d3a, view(SLOT_T2, 0, m->d2.cout), h1, w1, view(ys, col, cout), &oh, &ow));
+    col += m->d3a.cout;
+    MC_TRY(conv(r, &m->d3b, view(SLOT_T2, 0, m->d2.cout), h1, w1, view(ys, col, cout), &oh, &ow));
+    col += m->d3b.cout;
+    MC_TRY(pool(r, max_pool, 1, x, cin, *h, *w, view(SLOT_T1, 0, cin), &oh, &ow));
+    MC_TRY(conv(r, &m->pool, view(SLOT_T1, 0, cin), oh, ow, view(ys, col, cout), &oh, &ow));
+    *h = oh;
+    *w = ow;
+    return MC_OK;
+}
+
+/* The network from the resized input in SLOT_X to the pooled features in
+ * SLOT_POOL and the unbiased logits in SLOT_LOGITS. */
+static mc_status run_network(inc_run *r) {
+    mc_inception *net = r->net;
+    int64_t h = MC_INCEPTION_SIZE, w = MC_INCEPTION_SIZE, oh, ow;
+    if (r->plan)
+        record(r, view(SLOT_X, 0, 3), h * w);
+    /* Stem: X -> Y -> X -> Y, pool -> X, -> Y -> X, pool -> Y. */
+    MC_TRY(conv(r, &net->c1a, view(SLOT_X, 0, 3), h, w, view(SLOT_Y, 0, net->c1a.cout), &h, &w));
+    MC_TRY(conv(r, &net->c2a, view(SLOT_Y, 0, net->c1a.cout), h, w, view(SLOT_X, 0, net->c2a.cout), &h, &w));
+    MC_TRY(conv(r, &net->c2b, view(SLOT_X, 0, net->c2a.cout), h, w, view(SLOT_Y, 0, net->c2b.cout), &h, &w));
+    MC_TRY(pool(r, 1, 2, view(SLOT_Y, 0, net->c2b.cout), net->c2b.cout, h, w,
+                view(SLOT_X, 0, net->c2b.cout), &oh, &ow));
+    h = oh;
+    w = ow;
+    MC_TRY(conv(r, &net->c3b, view(SLOT_X, 0, net->c2b.cout), h, w, view(SLOT_Y, 0, net->c3b.cout), &h, &w));
+    MC_TRY(conv(r, &net->c4a, view(SLOT_Y, 0, net->c3b.cout), h, w, view(SLOT_X, 0, net->c4a.cout), &h, &w));
+    MC_TRY(pool(r, 1, 2, view(SLOT_X, 0, net->c4a.cout), net->c4a.cout, h, w,
+                view(SLOT_Y, 0, net->c4a.cout), &oh, &ow));
+    h = oh;
+    w = ow;
+    MC_TRY(check_cancel(r));
+
+    /* Mixed blocks alternate Y -> X -> Y ...; c is the running width. */
+    int64_t c = net->c4a.cout;
+    const inc_a *as[3] = {&net->m5b, &net->m5c, &net->m5d};
+    int cur = SLOT_Y, nxt = SLOT_X;
+#define SWAP_SLOTS()       \
+    do {                   \
+        int t_ = cur;      \
+        cur = nxt;         \
+        nxt = t_;          \
+    } while (0)
+    for (int i = 0; i < 3; i++) {
+        MC_TRY(block_a(r, as[i], cur, nxt, c, &h, &w));
+        c = as[i]->b1x1.cout + as[i]->b5_2.cout + as[i]->d3.cout + as[i]->pool.cout;
+        SWAP_SLOTS();
+        MC_TRY(check_cancel(r));
+    }
+    MC_TRY(block_b(r, &net->m6a, cur, nxt, c, &h, &w));
+    c = net->m6a.b3.cout + net->m6a.d3.cout + c;
+    SWAP_SLOTS();
+    MC_TRY(check_cancel(r));
+    const inc_c *cs[4] = {&net->m6b, &net->m6c, &net->m6d, &net->m6e};
+    for (int i = 0; i < 4; i++) {
+        MC_TRY(block_c(r, cs[i], cur, nxt, c, &h, &w));
+        c = cs[i]->b1x1.cout + cs[i]->c3.cout + cs[i]->d5.cout + cs[i]->pool.cout;
+        SWAP_SLOTS();
+        MC_TRY(check_cancel(r));
+    }
+    MC_TRY(block_d(r, &net->m7a, cur, nxt, c, &h, &w));
+    c = net->m7a.a2.cout + net->m7a.b4.cout + c;
+    SWAP_SLOTS();
+    MC_TRY(check_cancel(r));
+    const inc_e *es[2] = {&net->m7b, &net->m7c};
+    for (int i = 0; i < 2; i++) {
+        MC_TRY(block_e(r, es[i], i == 1, cur, nxt, c, &h, &w));
+        c = es[i]->b1x1.cout + es[i]->a2a.cout + es[i]->a2b.cout + es[i]->d3a.cout +
+            es[i]->d3b.cout + es[i]->pool.cout;
+        SWAP_SLOTS();
+        MC_TRY(check_cancel(r));
+    }
+#undef SWAP_SLOTS
+
+    /* Global average pool (the window is the whole h x w map), then fc
+     * without bias. */
+    const int64_t f = net->info.feature_dim, k = net->info.num_classes;
+    if (r->plan) {
+        record(r, view(SLOT_POOL, 0, f), 1);
+        record(r, view(SLOT_LOGITS, 0, k), 1);
+        r->flops += 2.0 * (double)f * (double)k;
+        return MC_OK;
+    }
+    mc_backend *be = net->be;
+    mc_window2d g = {.batch = r->batch, .height = h, .width = w, .kh = (int)h, .kw = (int)w,
+                     .stride_h = 1, .stride_w = 1, .pad_h = 0, .pad_w = 0};
+    MC_TRY(be->ops->avg_pool2d(be, &g, net->buf[cur], c, c, 0, net->buf[SLOT_POOL], f, r->err));
+    return be->ops->linear(be, net->buf[SLOT_POOL], f, r->batch, f, net->fc_w, NULL, k, MC_ACT_NONE,
+                           0.0f, net->buf[SLOT_LOGITS], k, r->err);
+}
+
+static mc_status allocate_buffers(mc_inception *net, const size_t *need, mc_err *err) {
+    for (int s = 0; s < SLOT_COUNT; s++) {
+        size_t bytes;
+        if (mc_mul_overflows(need[s] ? need[s] : 1, sizeof(float), &bytes))
+            return mc_fail(err, MC_ERR_NOMEM, "Inception: activation buffer %d overflows", s);
+        net->buf[s] = net->be->ops->alloc(net->be, bytes, err);
+        if (net->buf[s] == NULL)
+            return mc_fail(err, MC_ERR_NOMEM,
+                           "Inception: cannot allocate %zu bytes of activations for %lld images "
+                           "per chunk (use a smaller chunk)",
+                           bytes, (long long)net->info.chunk);
+        net->buf_floats[s] = need[s];
+    }
+    return MC_OK;
+}
+
+mc_status mc_inception_load(mc_backend *be, const mc_st_file *file, int64_t chunk,
+                            mc_inception **out, mc_err *err) {
+    *out = NULL;
+    if (chunk < 1 || chunk > 4096)
+        return mc_fail(err, MC_ERR_VALUE, "Inception: chunk must be in 1..4096 images, got %lld",
+                       (long long)chunk);
+    mc_inception *net = calloc(1, sizeof *net);
+    if (net == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "Inception: cannot allocate the model struct");
+    net->be = be;
+    net->info.chunk = chunk;
+
+    inc_loader L = {.err = err, .path = file->path != NULL ? file->path : "<memory>"};
+    mc_loader_init(&L.loader, file, be, err);
+    mc_status st = MC_OK;
+    if (!mc_loader_has(&L.loader, "Conv2d_1a_3x3.conv.weight"))
+        st = mc_fail(err, MC_ERR_VALUE,
+                     "%s is not an FID-Inception checkpoint: it has no tensor "
+                     "'Conv2d_1a_3x3.conv.weight' (convert pt_inception-2015-12-05-6726825d.pth "
+                     "with its pytorch-fid key names)",
+                     L.path);
+    if (st == MC_OK)
+        st = load_all(&L, net);
+    if (st == MC_OK)
+        st = check_nothing_left(file, &L);
+    if (st == MC_OK) {
+        net->info.num_params = L.num_params;
+        net->weights = mc_loader_take_allocations(&L.loader);
+    }
+    mc_loader_finish(&L.loader);
+    free(L.bound);
+    if (st == MC_OK) {
+        net->info.standard = is_standard(net);
+        inc_run plan = {.net = net, .plan = 1, .batch = chunk, .err = err};
+        st = run_network(&plan);
+        if (st == MC_OK)
+            st = allocate_buffers(net, plan.need, err);
+        if (st == MC_OK)
+            net->info.flops_per_image = plan.flops; /* conv() and the fc count one image */
+    }
+    if (st != MC_OK) {
+        mc_inception_free(net);
+        return st;
+    }
+    *out = net;
+    return MC_OK;
+}
+
+void mc_inception_free(mc_inception *net) {
+    if (net == NULL)
+        return;
+    for (int s = 0; s < SLOT_COUNT; s++)
+        if (net->buf[s] != NULL)
+            net->be->ops->release(net->be, net->buf[s]);
+    if (net->input != NULL)
+        net->be->ops->release(net->be, net->input);
+    mc_alloc_list_free(&net->weights, net->be);
+    free(net);
+}
+
+void mc_inception_get_info(const mc_inception *net, mc_inception_info *info) { *info = net->info; }
+
+mc_status mc_inception_forward(mc_inception *net, const uint8_t *images, int64_t n, int64_t height,
+                               int64_t width, float *pool_out, float *logits_out,
+                               int (*cancel)(void *ctx), void *cancel_ctx, mc_err *err) {
+    if (n < 0 || height < 1 || width < 1 || height > MC_INCEPTION_MAX_SIDE ||
+        width > MC_INCEPTION_MAX_SIDE)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "Inception: images must be [n >= 0, 1..%d, 1..%d, 3], got [%lld, %lld, %lld, 3]",
+                       MC_INCEPTION_MAX_SIDE, MC_INCEPTION_MAX_SIDE, (long long)n,
+                       (long long)height, (long long)width);
+    if (n == 0)
+        return MC_OK;
+    mc_backend *be = net->be;
+    const int64_t chunk = net->info.chunk;
+    const size_t image_bytes = (size_t)(height * width * 3);
+    const size_t need = (size_t)chunk * image_bytes;
+    if (net->input_bytes < need) {
+        if (net->input != NULL)
+            be->ops->release(be, net->input);
+        net->input_bytes = 0;
+        net->input = be->ops->alloc(be, need, err);
+        if (net->input == NULL)
+            return mc_fail(err, MC_ERR_NOMEM, "Inception: cannot allocate %zu bytes of input", need);
+        net->input_bytes = need;
+    }
+    const int64_t f = net->info.feature_dim, k = net->info.num_classes;
+    for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+        if (cancel != NULL && cancel(cancel_ctx))
+            return mc_fail(err, MC_ERR_INTERRUPTED, "Inception was interrupted");
+        const int64_t b = n - i0 < chunk ? n - i0 : chunk;
+        MC_TRY(be->ops->upload(be, net->input, images + (size_t)i0 * image_bytes,
+                               (size_t)b * image_bytes, err));
+        MC_TRY(be->ops->resize_bilinear_tf1(be, net->input, MC_PIXEL_U8, b, height, width, 3,
+                                            MC_INCEPTION_SIZE, MC_INCEPTION_SIZE, 1,
+                                            net->buf[SLOT_X], err));
+        inc_run r = {.net = net, .plan = 0, .batch = b, .cancel = cancel, .cancel_ctx = cancel_ctx,
+                     .err = err};
+        MC_TRY(run_network(&r));
+        MC_TRY(be->ops->download(be, pool_out + i0 * f, net->buf[SLOT_POOL],
+                                 (size_t)(b * f) * sizeof(float), err));
+        if (logits_out != NULL)
+            MC_TRY(be->ops->download(be, logits_out + i0 * k, net->buf[SLOT_LOGITS],
+                                     (size_t)(b * k) * sizeof(float), err));
+    }
+    return MC_OK;
+}

@@ -1,0 +1,294 @@
+/* Python binding of the FID-Inception network (marcache._C.Inception).
+ *
+ *   Inception(path, num_threads=0, chunk=8)
+ *   .features(images: uint8 [n, h, w, 3]) -> (pool float32 [n, feature_dim],
+ *                                             logits_unbiased float32 [n, num_classes])
+ *
+ * The forward runs with the GIL released; between chunks (and blocks) it
+ * takes the GIL back just long enough to check for Ctrl-C. One call at a
+ * time per object (the activation buffers are reused). */
+#include "py_numpy.h"
+
+#include <pythread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../io/safetensors.h"
+#include "../models/inception.h"
+
+typedef struct {
+    PyObject_HEAD
+    mc_backend *backend;
+    mc_inception *net;
+    mc_inception_info info;
+    PyThread_type_lock lock;
+} InceptionObject;
+
+static void inception_release(InceptionObject *self) {
+    mc_inception_free(self->net);
+    self->net = NULL;
+    mc_backend_destroy(self->backend);
+    self->backend = NULL;
+}
+
+static void Inception_dealloc(InceptionObject *self) {
+    inception_release(self);
+    if (self->lock != NULL)
+        PyThread_free_lock(self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", "num_threads", "chunk", NULL};
+    PyObject *path_bytes = NULL;
+    int num_threads = 0;
+    long long chunk = 8;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|iL:Inception", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &num_threads, &chunk))
+        return -1;
+    if (num_threads < 0 || chunk < 1 || chunk > 4096) {
+        Py_DECREF(path_bytes);
+        PyErr_Format(PyExc_ValueError,
+                     "num_threads must be >= 0 (0 = all OpenMP threads) and chunk in 1..4096, got "
+                     "num_threads=%d, chunk=%lld",
+                     num_threads, chunk);
+        return -1;
+    }
+    if (self->lock == NULL) {
+        self->lock = PyThread_allocate_lock();
+        if (self->lock == NULL) {
+            Py_DECREF(path_bytes);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    inception_release(self);
+
+    const char *path = PyBytes_AS_STRING(path_bytes);
+    mc_err err = {0};
+    mc_st_file *file = NULL;
+    mc_backend *backend = NULL;
+    mc_inception *net = NULL;
+    mc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mc_st_open(path, &file, &err);
+    if (st == MC_OK)
+        st = mc_backend_cpu_create(&backend, num_threads, &err);
+    if (st == MC_OK)
+        st = mc_inception_load(backend, file, (int64_t)chunk, &net, &err);
+    mc_st_close(file);
+    if (st != MC_OK) {
+        mc_backend_destroy(backend);
+        backend = NULL;
+    }
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_bytes);
+    if (st != MC_OK) {
+        mcpy_raise(&err);
+        return -1;
+    }
+    self->backend = backend;
+    self->net = net;
+    mc_inception_get_info(net, &self->info);
+    return 0;
+}
+
+typedef struct {
+    PyThreadState *thread_state;
+} inception_cancel_ctx;
+
+static int inception_cancel_check(void *ctx) {
+    inception_cancel_ctx *c = ctx;
+    PyEval_RestoreThread(c->thread_state);
+    int interrupted = PyErr_CheckSignals() < 0;
+    c->thread_state = PyEval_SaveThread();
+    return interrupted;
+}
+
+static PyObject *Inception_features(InceptionObject *self, PyObject *obj) {
+    if (self->net == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Inception is not initialised");
+        return NULL;
+    }
+    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_UINT8) {
+        PyErr_Format(PyExc_ValueError,
+                     "images must be a numpy uint8 array [n, height, width, 3] (NHWC, RGB), got %s",
+                     PyArray_Check(obj) ? "another dtype" : Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *images = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_UINT8, NPY_ARRAY_IN_ARRAY);
+    if (images == NULL)
+        return NULL;
+    if (PyArray_NDIM(images) != 4 || PyArray_DIM(images, 3) != 3 || PyArray_DIM(images, 1) < 1 ||
+        PyArray_DIM(images, 2) < 1 || PyArray_DIM(images, 1) > MC_INCEPTION_MAX_SIDE ||
+        PyArray_DIM(images, 2) > MC_INCEPTION_MAX_SIDE) {
+        char shape[160];
+        size_t used = (size_t)snprintf(shape, sizeof shape, "(");
+        for (int d = 0; d < PyArray_NDIM(images) && used < sizeof shape; d++)
+            used += (size_t)snprintf(shape + used, sizeof shape - used, d ? ", %lld" : "%lld",
+                                     (long long)PyArray_DIM(images, d));
+        if (used < sizeof shape)
+            snprintf(shape + used, sizeof shape - used, ")");
+        PyErr_Format(PyExc_ValueError,
+                     "images must have shape [n, height, width, 3] with sides in 1..%d, got %s",
+                     MC_INCEPTION_MAX_SIDE, shape);
+        Py_DECREF(images);
+        return NULL;
+    }
+    const int64_t n = PyArray_DIM(images, 0), h = PyArray_DIM(images, 1), w = PyArray_DIM(images, 2);
+    npy_intp pool_dims[2] = {(npy_intp)n, (npy_intp)self->info.feature_dim};
+    npy_intp logit_dims[2] = {(npy_intp)n, (npy_intp)self->info.num_classes};
+    PyArrayObject *pool = (PyArrayObject *)PyArray_SimpleNew(2, pool_dims, NPY_FLOAT32);
+    PyArrayObject *logits = (PyArrayObject *)PyArray_SimpleNew(2, logit_dims, NPY_FLOAT32);
+    if (pool == NULL || logits == NULL) {
+        Py_XDECREF(pool);
+        Py_XDECREF(logits);
+        Py_DECREF(images);
+        return NULL;
+    }
+    mc_err err = {0};
+    mc_status st;
+    inception_cancel_ctx cancel = {PyEval_SaveThread()};
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    st = mc_inception_forward(self->net, PyArray_DATA(images), n, h, w, PyArray_DATA(pool),
+                              PyArray_DATA(logits), inception_cancel_check, &cancel, &err);
+    PyThread_release_lock(self->lock);
+    PyEval_RestoreThread(cancel.thread_state);
+    Py_DECREF(images);
+    if (st != MC_OK) {
+        Py_DECREF(pool);
+        Py_DECREF(logits);
+        return mcpy_raise(&err);
+    }
+    return Py_BuildValue("(NN)", pool, logits);
+}
+
+#define INCEPTION_INFO_GETTER(field, conv)                                  \
+    static PyObject *Inception_get_##field(InceptionObject *self, void *c) { \
+        (void)c;                                                            \
+        if (self->net == NULL) {                                            \
+            PyErr_SetString(PyExc_RuntimeError, "Inception is not initialised"); \
+            return NULL;                                                    \
+        }                                                                   \
+        return conv(self->info.field);                                      \
+    }
+
+INCEPTION_INFO_GETTER(feature_dim, PyLong_FromLongLong)
+INCEPTION_INFO_GETTER(num_classes, PyLong_FromLongLong)
+INCEPTION_INFO_GETTER(num_params, PyLong_FromLongLong)
+INCEPTION_INFO_GETTER(chunk, PyLong_FromLongLong)
+INCEPTION_INFO_GETTER(standard, PyBool_FromLong)
+INCEPTION_INFO_GETTER(flops_per_image, PyFloat_FromDouble)
+
+static PyMethodDef Inception_methods[] = {
+    {"features", (PyCFunction)Inception_features, METH_O,
+     "features(images: uint8 [n, h, w, 3]) -> (pool float32 [n, feature_dim],\n"
+     "                                         logits_unbiased float32 [n, num_classes])\n\n"
+     "Any image size: resized to 299 x 299 with TF1 bilinear semantics, then (x - 128) / 128.\n"
+     "pool is the 2048-d FID feature; logits_unbiased = pool . fc.weight^T (IS)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Inception_getset[] = {
+    {"feature_dim", (getter)Inception_get_feature_dim, NULL, "pool feature width (2048)", NULL},
+    {"num_classes", (getter)Inception_get_num_classes, NULL, "logit count (1008)", NULL},
+    {"num_params", (getter)Inception_get_num_params, NULL, "elements of every tensor read", NULL},
+    {"chunk", (getter)Inception_get_chunk, NULL, "images per forward pass", NULL},
+    {"standard", (getter)Inception_get_standard, NULL,
+     "True when every width is the FID network's (False for narrower test networks)", NULL},
+    {"flops_per_image", (getter)Inception_get_flops_per_image, NULL,
+     "convolution + fc FLOPs of one image at 299 x 299 (2 per multiply-add)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject Inception_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "marcache._C.Inception",
+    .tp_basicsize = sizeof(InceptionObject),
+    .tp_dealloc = (destructor)Inception_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Inception(path, num_threads=0, chunk=8): the FID-Inception network (pytorch-fid\n"
+              "key names, BatchNorm folded at load) on the CPU backend.",
+    .tp_methods = Inception_methods,
+    .tp_getset = Inception_getset,
+    .tp_init = (initproc)Inception_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* png_unfilter(raw: bytes, height, stride, bpp) -> uint8 [height, stride]:
+ * undoes the five PNG scanline filters (each row: 1 filter byte + stride
+ * bytes; bpp = bytes per pixel, 1..8). For marcache.png.read_png. */
+static PyObject *py_png_unfilter(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer raw;
+    Py_ssize_t height, stride, bpp;
+    if (!PyArg_ParseTuple(args, "y*nnn:png_unfilter", &raw, &height, &stride, &bpp))
+        return NULL;
+    if (height < 0 || stride < 0 || bpp < 1 || bpp > 8 ||
+        (stride > 0 && height > PY_SSIZE_T_MAX / (stride + 1)) || raw.len != height * (stride + 1)) {
+        PyBuffer_Release(&raw);
+        return PyErr_Format(PyExc_ValueError,
+                            "png_unfilter: %zd bytes of image data do not hold %zd rows of 1 + %zd "
+                            "bytes (bpp %zd)",
+                            raw.len, height, stride, bpp);
+    }
+    npy_intp dims[2] = {(npy_intp)height, (npy_intp)stride};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_UINT8);
+    if (out == NULL) {
+        PyBuffer_Release(&raw);
+        return NULL;
+    }
+    const uint8_t *src = raw.buf;
+    uint8_t *dst = PyArray_DATA(out);
+    int bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t y = 0; y < height && bad < 0; y++) {
+        const uint8_t *line = src + y * (stride + 1) + 1;
+        uint8_t *cur = dst + y * stride;
+        const uint8_t *prev = y > 0 ? dst + (y - 1) * stride : NULL;
+        int kind = src[y * (stride + 1)];
+        for (Py_ssize_t i = 0; i < stride; i++) {
+            int a = i >= bpp ? cur[i - bpp] : 0;
+            int b = prev != NULL ? prev[i] : 0;
+            int c = (prev != NULL && i >= bpp) ? prev[i - bpp] : 0;
+            int pred;
+            switch (kind) {
+            case 0: pred = 0; break;
+            case 1: pred = a; break;
+            case 2: pred = b; break;
+            case 3: pred = (a + b) >> 1; break;
+            case 4: {
+                int p = a + b - c, pa = abs(p - a), pb = abs(p - b), pc = abs(p - c);
+                pred = (pa <= pb && pa <= pc) ? a : (pb <= pc ? b : c);
+                break;
+            }
+            default: pred = 0; bad = (int)y; break;
+            }
+            cur[i] = (uint8_t)(line[i] + pred);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&raw);
+    if (bad >= 0) {
+        Py_DECREF(out);
+        return PyErr_Format(PyExc_ValueError, "png_unfilter: bad filter type on row %d", bad);
+    }
+    return (PyObject *)out;
+}
+
+static PyMethodDef inception_module_methods[] = {
+    {"png_unfilter", py_png_unfilter, METH_VARARGS,
+     "png_unfilter(raw, height, stride, bpp) -> uint8 [height, stride]: undo PNG row filters."},
+    {NULL, NULL, 0, NULL},
+};
+
+int mcpy_inception_init(PyObject *module) {
+    if (PyType_Ready(&Inception_type) < 0)
+        return -1;
+    Py_INCREF(&Inception_type);
+    if (PyModule_AddObject(module, "Inception", (PyObject *)&Inception_type) < 0) {
+        Py_DECREF(&Inception_type);
+        return -1;
+    }
+    return PyModule_AddFunctions(module, inception_module_methods);
+}
