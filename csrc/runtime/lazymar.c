@@ -249,36 +249,35 @@ static void rank_rows(int32_t *idx, int64_t n, const float *scores) {
     }
 }
 
-/* Kept decoder rows of one sequence, ascending: forced rows (predicted now
- * and last step) always, then the least similar rows by V cosine. Forcing
- * is unconditional, unlike the official code, which can drop a forced row
- * when many cosines are negative (lazymar.md 5.3 item 5). */
-static void select_rows(const float *scores, int64_t L, int64_t P, const int32_t *pred, int64_t n_pred,
-                        const int32_t *prev, int64_t n_prev, int64_t keep, uint8_t *taken, int32_t *order,
-                        int32_t *kept) {
+/* Rows of one sequence, ascending: the forced rows (predicted now and at
+ * the previous step) always, then the other rows from `first_candidate` on in
+ * ascending (key, row) order until `count` rows. LazyMAR keys by V cosine
+ * (least similar first); its forcing is unconditional, unlike the official
+ * code, which can drop a forced row when many cosines are negative
+ * (lazymar.md 5.3 item 5). MARche keys by negated attention mass. */
+static void choose_rows(const float *key, int64_t L, int64_t P, int64_t first_candidate, const int32_t *now,
+                        int64_t n_now, const int32_t *prev, int64_t n_prev, int64_t count, uint8_t *taken,
+                        int32_t *order, int32_t *rows) {
     memset(taken, 0, (size_t)L);
     int64_t n = 0;
-    for (int64_t i = 0; i < n_pred; i++)
-        if (!taken[P + pred[i]]) {
-            taken[P + pred[i]] = 1;
+    for (int64_t i = 0; i < n_now + n_prev; i++) {
+        int64_t row = P + (i < n_now ? now[i] : prev[i - n_now]);
+        if (!taken[row]) {
+            taken[row] = 1;
             n++;
         }
-    for (int64_t i = 0; i < n_prev; i++)
-        if (!taken[P + prev[i]]) {
-            taken[P + prev[i]] = 1;
-            n++;
-        }
+    }
     int64_t m = 0;
-    for (int64_t r = 0; r < L; r++)
+    for (int64_t r = first_candidate; r < L; r++)
         if (!taken[r])
             order[m++] = (int32_t)r;
-    rank_rows(order, m, scores);
-    for (int64_t i = 0; i < m && n < keep; i++, n++)
+    rank_rows(order, m, key);
+    for (int64_t i = 0; i < m && n < count; i++, n++)
         taken[order[i]] = 1;
     int64_t k = 0;
     for (int64_t r = 0; r < L; r++)
         if (taken[r])
-            kept[k++] = (int32_t)r;
+            rows[k++] = (int32_t)r;
 }
 
 /* Output rows of the predicted positions: `x` holds `rows_per` rows per
@@ -549,7 +548,7 @@ static mc_status lazymar_decoder(mc_lazymar *lz, const mc_lazymar_step *s, float
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate selection state");
     for (int64_t q = 0; q < nc; q++) {
         const int64_t b = q % B;
-        select_rows(lz->scores_host + q * L, L, P, s->pred_pos + b * s->n_pred, s->n_pred,
+        choose_rows(lz->scores_host + q * L, L, P, 0, s->pred_pos + b * s->n_pred, s->n_pred,
                     lz->prev_pred + b * p, p, keep, taken, lz->order, kept + q * keep);
     }
     free(taken);
@@ -561,41 +560,6 @@ static mc_status lazymar_decoder(mc_lazymar *lz, const mc_lazymar_step *s, float
     MC_TRY(cache_aware_layers(lz, xk, kept, keep, sel + 1, flops, err));
     *out = xk;
     return MC_OK;
-}
-
-/* Active rows of one MARche sequence, ascending: generating and caching
- * rows, then the `refresh` candidates with the most (or, as an ablation, the
- * least) attention mass, ties to the lower row. */
-static void marche_active(float *mass, int64_t L, int64_t P, const int32_t *gen, int64_t n_gen,
-                          const int32_t *prev, int64_t n_prev, int64_t active_count, int image_only, int low,
-                          uint8_t *taken, int32_t *order, int32_t *active) {
-    memset(taken, 0, (size_t)L);
-    int64_t n = 0;
-    for (int64_t i = 0; i < n_gen; i++)
-        if (!taken[P + gen[i]]) {
-            taken[P + gen[i]] = 1;
-            n++;
-        }
-    for (int64_t i = 0; i < n_prev; i++)
-        if (!taken[P + prev[i]]) {
-            taken[P + prev[i]] = 1;
-            n++;
-        }
-    int64_t m = 0;
-    for (int64_t r = image_only ? P : 0; r < L; r++)
-        if (!taken[r])
-            order[m++] = (int32_t)r;
-    /* rank_rows sorts ascending; the mass is a host copy, so flip it in place. */
-    if (!low)
-        for (int64_t r = 0; r < L; r++)
-            mass[r] = -mass[r];
-    rank_rows(order, m, mass);
-    for (int64_t i = 0; i < m && n < active_count; i++, n++)
-        taken[order[i]] = 1;
-    int64_t k = 0;
-    for (int64_t r = 0; r < L; r++)
-        if (taken[r])
-            active[k++] = (int32_t)r;
 }
 
 int64_t mc_marche_active_count(const mc_lazymar_config *cfg, int64_t generating, int64_t caching, int64_t rows,
@@ -654,11 +618,15 @@ static mc_status marche_decoder(mc_lazymar *lz, const mc_lazymar_step *s, float 
     uint8_t *taken = malloc((size_t)L);
     if (taken == NULL)
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate selection state");
+    /* Most attention mass first (or least, as an ablation): rank by the
+     * negated mass, flipped in place in the host copy. */
+    if (!lz->cfg.refresh_low)
+        for (int64_t i = 0; i < nc * L; i++)
+            lz->scores_host[i] = -lz->scores_host[i];
     for (int64_t q = 0; q < nc; q++) {
         const int64_t b = q % B;
-        marche_active(lz->scores_host + q * L, L, P, s->pred_pos + b * ng, ng, lz->prev_pred + b * p, p,
-                      n_active, lz->cfg.image_candidates, lz->cfg.refresh_low, taken, lz->order,
-                      active + q * n_active);
+        choose_rows(lz->scores_host + q * L, L, P, lz->cfg.image_candidates ? P : 0, s->pred_pos + b * ng, ng,
+                    lz->prev_pred + b * p, p, n_active, taken, lz->order, active + q * n_active);
     }
     free(taken);
     float *xa = gather_kept(lz, f, active, n_active, err);
