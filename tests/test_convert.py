@@ -743,7 +743,7 @@ def test_cli_convert_and_help(tmp_path, capsys):
     assert main(["convert", "mar", fx("tiny_mar.pth"), "-o", str(dst), "--quiet"]) == 2
     assert "--heads" in capsys.readouterr().err
     help_text = subprocess.run([sys.executable, "-m", "marcache", "convert", "--help"], capture_output=True,
-                               text=True, cwd=os.path.dirname(os.path.dirname(FIXTURES))).stdout
+                               text=True, cwd=FIXTURES, env=subprocess_env()).stdout
     for word in ("mar", "vae-kl16", "var", "vqvae", "inception", "checkpoint-last.pth", "kl16.ckpt",
                  "var_d16.pth", "var_d30.pth", "vae_ch160v4096z32.pth", "pt_inception-2015-12-05-6726825d.pth",
                  "--dtype", "--weights"):
