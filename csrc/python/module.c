@@ -32,6 +32,14 @@ PyObject *mcpy_raise(const mc_err *err) {
     return NULL;
 }
 
+int mcpy_cancel_check(void *ctx) {
+    mcpy_cancel_ctx *c = ctx;
+    PyEval_RestoreThread(c->thread_state);
+    int interrupted = PyErr_CheckSignals() < 0;
+    c->thread_state = PyEval_SaveThread();
+    return interrupted;
+}
+
 static PyObject *build_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;

@@ -93,18 +93,6 @@ static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-typedef struct {
-    PyThreadState *thread_state;
-} inception_cancel_ctx;
-
-static int inception_cancel_check(void *ctx) {
-    inception_cancel_ctx *c = ctx;
-    PyEval_RestoreThread(c->thread_state);
-    int interrupted = PyErr_CheckSignals() < 0;
-    c->thread_state = PyEval_SaveThread();
-    return interrupted;
-}
-
 static PyObject *Inception_features(InceptionObject *self, PyObject *obj) {
     if (self->net == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Inception is not initialised");
@@ -148,10 +136,10 @@ static PyObject *Inception_features(InceptionObject *self, PyObject *obj) {
     }
     mc_err err = {0};
     mc_status st;
-    inception_cancel_ctx cancel = {PyEval_SaveThread()};
+    mcpy_cancel_ctx cancel = {PyEval_SaveThread()};
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     st = mc_inception_forward(self->net, PyArray_DATA(images), n, h, w, PyArray_DATA(pool),
-                              PyArray_DATA(logits), inception_cancel_check, &cancel, &err);
+                              PyArray_DATA(logits), mcpy_cancel_check, &cancel, &err);
     PyThread_release_lock(self->lock);
     PyEval_RestoreThread(cancel.thread_state);
     Py_DECREF(images);

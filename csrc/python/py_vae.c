@@ -122,20 +122,6 @@ static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* Polls for Ctrl-C from inside the GIL-free decode: takes the GIL back just
- * long enough to run the signal handlers. */
-typedef struct {
-    PyThreadState *thread_state;
-} vae_cancel_ctx;
-
-static int vae_cancel_check(void *ctx) {
-    vae_cancel_ctx *c = ctx;
-    PyEval_RestoreThread(c->thread_state);
-    int interrupted = PyErr_CheckSignals() < 0;
-    c->thread_state = PyEval_SaveThread();
-    return interrupted;
-}
-
 /* Validates tokens [n, S, C] (S a perfect square, C == z_channels) and
  * returns them as float32; *side gets sqrt(S). */
 static PyArrayObject *vae_tokens_arg(VAEObject *self, PyObject *obj, int64_t *side) {
@@ -210,16 +196,16 @@ static PyObject *vae_decode_impl(VAEObject *self, PyObject *obj, int as_uint8) {
     const float *tok = PyArray_DATA(tokens);
     mc_err err = {0};
     mc_status st = MC_OK;
-    vae_cancel_ctx cancel = {PyEval_SaveThread()};
+    mcpy_cancel_ctx cancel = {PyEval_SaveThread()};
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     if (!as_uint8) {
-        st = mc_vae_decode(self->vae, tok, n, seq_len, z, PyArray_DATA(out), vae_cancel_check,
+        st = mc_vae_decode(self->vae, tok, n, seq_len, z, PyArray_DATA(out), mcpy_cancel_check,
                            &cancel, &err);
     } else {
         uint8_t *pixels = PyArray_DATA(out);
         for (int64_t i = 0; i < n && st == MC_OK; i++) {
             st = mc_vae_decode(self->vae, tok + i * seq_len * z, 1, seq_len, z, image,
-                               vae_cancel_check, &cancel, &err);
+                               mcpy_cancel_check, &cancel, &err);
             if (st == MC_OK && mc_vae_to_uint8(image, image_floats, pixels + i * image_floats) != MC_OK)
                 st = mc_fail(&err, MC_ERR_NUMERIC, "VAE decoder output of image %lld contains NaN",
                              (long long)i);
