@@ -22,3 +22,34 @@ def rel_err(a, ref):
     a = np.asarray(a, np.float64)
     ref = np.asarray(ref, np.float64)
     return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def amplified_mar_weights(seed, dim, depth, heads, head_width, head_depth, qkv_gain, head_gain):
+    """Random official-layout MAR weights with the attention qkv and the head's
+    cond_embed / adaLN / MLP weights scaled up, so that which rows a cache policy
+    picks, and each head-cache rule, change the tokens far beyond float32 noise
+    (plain 0.05-scale weights make nearly every choice invisible)."""
+    rng = np.random.default_rng(seed)
+    W = R.random_mar_weights(rng, dim=dim, depth=depth, heads_unused=heads, head_width=head_width,
+                             head_depth=head_depth)
+    for name in W:
+        if name.endswith("attn.qkv.weight"):
+            W[name] = (W[name] * qkv_gain).astype(np.float32)
+        elif name.startswith(R.HEAD) and any(key in name for key in ("cond_embed.", "adaLN_modulation.", ".mlp.")):
+            W[name] = (W[name] * head_gain).astype(np.float32)
+    return W
+
+
+def model_loader(path, W, heads):
+    """Writes W to path and returns load(diffusion_steps) -> a cached marcache model."""
+    import marcache as mc
+
+    save_file(W, str(path), metadata={"heads": str(heads)})
+    models = {}
+
+    def model(diffusion_steps):
+        if diffusion_steps not in models:
+            models[diffusion_steps] = mc.load(path, diffusion_steps=diffusion_steps)
+        return models[diffusion_steps]
+
+    return model

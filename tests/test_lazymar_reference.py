@@ -21,10 +21,9 @@ checks that each head-cache rule now matters.
 """
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import marcache as mc
-from mar_fixtures import rel_err
+from mar_fixtures import amplified_mar_weights, model_loader, rel_err
 from reference import lazymar as LZ
 from reference import mar as R
 
@@ -43,30 +42,13 @@ RETENTION = tuple([1.0] * 16 + [0.5] * 16 + [0.15] * 16 + [0.4] * 16)
 
 
 def _weights(seed):
-    rng = np.random.default_rng(seed)
-    W = R.random_mar_weights(rng, dim=DIM, depth=DEPTH, heads_unused=HEADS, head_width=HEAD_WIDTH,
-                             head_depth=HEAD_DEPTH)
-    for name in W:
-        if name.endswith("attn.qkv.weight"):
-            W[name] = (W[name] * QKV_GAIN).astype(np.float32)
-        elif name.startswith(R.HEAD) and any(key in name for key in ("cond_embed.", "adaLN_modulation.", ".mlp.")):
-            W[name] = (W[name] * HEAD_GAIN).astype(np.float32)
-    return W
+    return amplified_mar_weights(seed, DIM, DEPTH, HEADS, HEAD_WIDTH, HEAD_DEPTH, QKV_GAIN, HEAD_GAIN)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lazymar") / "tiny.safetensors"
     W = _weights(1)
-    save_file(W, str(path), metadata={"heads": str(HEADS)})
-    models = {}
-
-    def model(diffusion_steps):
-        if diffusion_steps not in models:
-            models[diffusion_steps] = mc.load(path, diffusion_steps=diffusion_steps)
-        return models[diffusion_steps]
-
-    return model, W
+    return model_loader(tmp_path_factory.mktemp("lazymar") / "tiny.safetensors", W, HEADS), W
 
 
 def _run_both(tiny, lz, labels, cfg, diffusion_steps, num_images=None, steps=STEPS, seed=3, first_index=1,

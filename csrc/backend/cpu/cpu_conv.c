@@ -213,14 +213,11 @@ mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int
     return MC_OK;
 }
 
-/* Prepares rows [0, rows) of y (stride cout) for a GEMM that adds onto them:
- * y = beta * y + bias. Returns the beta the GEMM must then use. beta == 0
- * never reads y (it may hold garbage or NaN). */
-static float prefill_bias(float *y, int64_t rows, int64_t cout, const float *bias, float beta) {
+float mc_cpu_prefill_bias(float *y, int64_t rows, int64_t cout, int64_t ldy, const float *bias, float beta) {
     if (bias == NULL)
         return beta;
     for (int64_t r = 0; r < rows; r++) {
-        float *yr = y + r * cout;
+        float *yr = y + r * ldy;
         if (beta == 0.0f)
             memcpy(yr, bias, (size_t)cout * sizeof(float));
         else if (beta == 1.0f)
@@ -294,7 +291,7 @@ static void conv_chunk(const float *x, int64_t height, int64_t width, int64_t ci
         a = col;
     }
     float *yc = y + row0 * width * cout;
-    float gemm_beta = prefill_bias(yc, pixels, cout, bias, beta);
+    float gemm_beta = mc_cpu_prefill_bias(yc, pixels, cout, cout, bias, beta);
     mc_cpu_sgemm(1, 0, 1, pixels, cout, patch, 1.0f, a, patch, w, patch, gemm_beta, yc, cout);
 }
 

@@ -72,6 +72,12 @@ mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int h
                                 const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
                                 float *out, mc_err *err);
 
+/* Prepares rows [0, rows) of y (row stride ldy, cout columns) for a GEMM
+ * that adds onto them: y = beta * y + bias. Returns the beta the GEMM must
+ * then use. beta == 0 never reads y (it may hold garbage or NaN). Shared by
+ * conv2d and conv2d_ex. */
+float mc_cpu_prefill_bias(float *y, int64_t rows, int64_t cout, int64_t ldy, const float *bias, float beta);
+
 /* Elementwise kernels shared by several ops. */
 float mc_gelu_erf(float x);
 float mc_silu(float x);

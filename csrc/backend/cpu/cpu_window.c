@@ -101,27 +101,6 @@ mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const flo
     return MC_OK;
 }
 
-/* y rows [0, rows) (pixel stride ldy): y = beta * y + bias before a GEMM
- * that adds onto them; returns the beta the GEMM must use. beta == 0 never
- * reads y. */
-static float prefill_rows(float *y, int64_t rows, int64_t cout, int64_t ldy, const float *bias,
-                          float beta) {
-    if (bias == NULL)
-        return beta;
-    for (int64_t r = 0; r < rows; r++) {
-        float *yr = y + r * ldy;
-        if (beta == 0.0f)
-            memcpy(yr, bias, (size_t)cout * sizeof(float));
-        else if (beta == 1.0f)
-            for (int64_t c = 0; c < cout; c++)
-                yr[c] += bias[c];
-        else
-            for (int64_t c = 0; c < cout; c++)
-                yr[c] = beta * yr[c] + bias[c];
-    }
-    return 1.0f;
-}
-
 static void relu_rows(float *y, int64_t rows, int64_t cout, int64_t ldy) {
     for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * ldy;
@@ -203,7 +182,7 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
             if (bias != NULL) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
                 for (int64_t r = 0; r < np; r++)
-                    prefill_rows(yc + r * ldy, 1, cout, ldy, bias, beta);
+                    mc_cpu_prefill_bias(yc + r * ldy, 1, cout, ldy, bias, beta);
                 gemm_beta = 1.0f;
             }
             mc_cpu_sgemm(threads, 0, 1, np, cout, cin, 1.0f, x + p0 * ldx, ldx, w, cin, gemm_beta,
@@ -246,7 +225,7 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
         im2col_window(g, x, cin, ldx, oh, ow, row0, nrows, col);
         const int64_t pixels = nrows * ow;
         float *yc = y + row0 * ow * ldy;
-        float gemm_beta = prefill_rows(yc, pixels, cout, ldy, bias, beta);
+        float gemm_beta = mc_cpu_prefill_bias(yc, pixels, cout, ldy, bias, beta);
         mc_cpu_sgemm(1, 0, 1, pixels, cout, patch, 1.0f, col, patch, w, patch, gemm_beta, yc, ldy);
         if (relu)
             relu_rows(yc, pixels, cout, ldy);
