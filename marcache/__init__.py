@@ -16,6 +16,7 @@ from .caches import LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402
 from . import convert  # noqa: E402  (marcache.convert.convert / read_checkpoint: no PyTorch needed)
+from . import digits  # noqa: E402  (the shipped digits MAR, data and classifier)
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,5 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["load", "file_kind", "convert", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "flops",
+__all__ = ["load", "file_kind", "convert", "digits", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "flops",
            "MAR_CONFIGS", "build_info", "__version__"]

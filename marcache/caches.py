@@ -2,7 +2,7 @@
 validated at construction. The C runtime reads them (as_dict)."""
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,10 @@ class LazyMAR:
         by_table = math.floor(rows * float(np.float32(self.retention_at(step, num_steps))))
         return min(rows, max(predicted + predicted_before + self.margin, by_table))
 
-    def as_dict(self):
-        """The C runtime's configuration (one struct serves LazyMAR and MARche)."""
+    def as_dict(self, rows=320):
+        """The C runtime's configuration (one struct serves LazyMAR and MARche);
+        ``rows`` (P + S) is unused: LazyMAR's row counts are computed by the engine."""
+        del rows
         d = _engine_defaults()
         d.update(encoder_cache=int(self.token_cache), decoder_mode=DECODER_LAZYMAR if self.token_cache else DECODER_FULL,
                  cond_cache=int(self.cond_cache), head_cache=int(self.head_cache), start=self.start,
@@ -184,10 +186,15 @@ class MARche:
     (only the conditional half is computed on cached steps; the unconditional output is
     cond + the diff of the last full step) and ``head_cache=True`` LazyMAR's diffusion-head
     cache with LazyMAR's default head settings (``head_period`` etc.).
-    With ``budget >= 320`` every row is active and the output equals NoCache.
+    With ``budget >= P + S`` (320 on the released models) every row is active and the
+    output equals NoCache.
+
+    ``budget=None`` (the default) takes one fifth of the decoder rows ``P + S``, rounded:
+    the paper's 64 on the released models (320 rows), 16 on the shipped digits model
+    (80 rows). An integer is used as given, whatever the model.
     """
 
-    budget: int = 64
+    budget: Optional[int] = None
     select_layer: int = 2
     full_layers: int = 2
     refresh_period: int = 3
@@ -208,7 +215,10 @@ class MARche:
         for flag in ("encoder_cache", "cond_cache", "head_cache"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"MARche.{flag} must be True or False, got {getattr(self, flag)!r}")
-        for name, low in (("budget", 1), ("select_layer", 1), ("full_layers", 1), ("refresh_period", 1),
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 1):
+            raise ValueError(f"MARche.budget must be None or an integer >= 1, got {self.budget!r}")
+        for name, low in (("select_layer", 1), ("full_layers", 1), ("refresh_period", 1),
                           ("refresh_phase", 0), ("head_period", 1), ("head_skip_first", 0), ("head_skip_last", -1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -226,16 +236,23 @@ class MARche:
     def is_full_step(self, step):
         return step < self.refresh_phase or (step - self.refresh_phase) % self.refresh_period == 0
 
+    def budget_for(self, rows=320):
+        """The active-set budget on a model with ``rows`` = P + S decoder rows."""
+        if self.budget is not None:
+            return self.budget
+        return max(1, int(math.floor(rows / 5 + 0.5)))
+
     def active_rows(self, generating, caching, rows=320, image_rows=256):
         candidates = (image_rows if self.candidates == "image" else rows) - generating - caching
         forced = generating + caching
-        return min(rows, min(max(self.budget, forced), forced + candidates))
+        return min(rows, min(max(self.budget_for(rows), forced), forced + candidates))
 
-    def as_dict(self):
+    def as_dict(self, rows=320):
+        """The C runtime's configuration for a model with ``rows`` = P + S decoder rows."""
         d = _engine_defaults()
         d.update(encoder_cache=int(self.encoder_cache), decoder_mode=DECODER_MARCHE, cond_cache=int(self.cond_cache),
                  head_cache=int(self.head_cache), start=self.refresh_phase, period=self.refresh_period,
-                 budget=self.budget, full_layers=self.full_layers, marche_select_layer=self.select_layer - 1,
+                 budget=self.budget_for(rows), full_layers=self.full_layers, marche_select_layer=self.select_layer - 1,
                  image_candidates=int(self.candidates == "image"), refresh_low=int(self.refresh == "low"),
                  head_period=self.head_period, head_skip_first=self.head_skip_first,
                  head_skip_last=self.head_skip_last, head_recompute_above=float(self.head_recompute_above))

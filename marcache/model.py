@@ -45,11 +45,64 @@ class GenerationInfo:
         return self.seconds_transformer_and_head + self.seconds_decode
 
 
+class PixelDecoder:
+    """The decoder of a pixel-token MAR (the shipped digits model): the identity "VAE".
+
+    A token is a patch_size x patch_size patch of an image_size x image_size image with
+    `channels` channels, laid out as MAR's patchify (feature = channel * p^2 + row * p +
+    column); pixel value = token * scale + offset on the 0..255 scale. The model file
+    declares it in its ``__metadata__``: decoder = "pixels", image_size, patch_size,
+    image_channels, pixel_scale, pixel_offset."""
+
+    def __init__(self, image_size, patch_size, channels, scale, offset):
+        self.image_size, self.patch_size, self.channels = image_size, patch_size, channels
+        self.scale, self.offset = scale, offset
+
+    @classmethod
+    def from_metadata(cls, metadata, config, path):
+        def number(key, kind):
+            if key not in metadata:
+                raise ValueError(f"{path}: decoder='pixels' needs metadata {key!r}")
+            try:
+                value = kind(metadata[key])
+            except ValueError:
+                raise ValueError(f"{path}: metadata {key}={metadata[key]!r} is not a {kind.__name__}") from None
+            if not (value > 0 if kind is int else np.isfinite(value)):
+                raise ValueError(f"{path}: metadata {key}={metadata[key]!r} is out of range")
+            return value
+
+        size, patch, ch = number("image_size", int), number("patch_size", int), number("image_channels", int)
+        grid = size // patch
+        if size % patch or grid * grid != config["seq_len"] or ch * patch * patch != config["token_channels"]:
+            raise ValueError(f"{path}: pixel decoder metadata (image_size={size}, patch_size={patch}, "
+                             f"image_channels={ch}) does not fit the model's {config['seq_len']} tokens of "
+                             f"{config['token_channels']} values")
+        return cls(size, patch, ch, number("pixel_scale", float), number("pixel_offset", float))
+
+    def _pixels(self, tokens):
+        t = np.asarray(tokens, np.float32)
+        n, g, p, c = t.shape[0], self.image_size // self.patch_size, self.patch_size, self.channels
+        if t.ndim != 3 or t.shape[1:] != (g * g, c * p * p):
+            raise ValueError(f"tokens must have shape [N, {g * g}, {c * p * p}], got {t.shape}")
+        x = t.reshape(n, g, g, c, p, p).transpose(0, 1, 4, 2, 5, 3).reshape(n, g * p, g * p, c)
+        return x * np.float32(self.scale) + np.float32(self.offset)
+
+    def decode_uint8(self, tokens):
+        x = np.rint(np.clip(self._pixels(tokens), 0.0, 255.0)).astype(np.uint8)
+        return np.repeat(x, 3, axis=3) if self.channels == 1 else x
+
+    def decode(self, tokens):
+        """Float images in [-1, 1] nominally (pixel / 127.5 - 1), as the VAE's decode."""
+        return self._pixels(tokens) / np.float32(127.5) - np.float32(1.0)
+
+
 class MARModel:
     """A loaded MAR model (and optionally its KL-16 VAE decoder).
 
     Use marcache.load() to build one. Generation runs in C with the GIL
     released; Ctrl-C stops it within one AR step and the model stays usable.
+    A pixel-token model (decoder = "pixels" in its metadata, like the shipped
+    digits model) decodes without a VAE.
     """
 
     def __init__(self, mar, vae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
@@ -78,7 +131,12 @@ class MARModel:
         c = self._mar.config
         return (f"MARModel(width={c['width']}, depth={c['depth']}+{c['decoder_depth']}, heads={c['heads']}, "
                 f"head={c['head_depth']}x{c['head_width']}, params={self.num_params:,}, "
-                f"vae={'yes' if self._vae is not None else 'no'}, device={self.device!r})")
+                f"decoder={self._decoder_name()}, device={self.device!r})")
+
+    def _decoder_name(self):
+        if isinstance(self._vae, PixelDecoder):
+            return "pixels"
+        return "kl16" if self._vae is not None else "none"
 
     # ----------------------------------------------------------- generation
     def _labels(self, labels, num_images):
@@ -128,7 +186,8 @@ class MARModel:
                 first_index + label_arr.size > 2**32:
             raise ValueError(f"first_index must be an integer >= 0 with first_index + N <= 2**32, got {first_index!r}")
         cache = _resolve_cache(cache)
-        cache_dict = cache.as_dict() if hasattr(cache, "as_dict") else None
+        rows = self._mar.config["buffer_size"] + self._mar.config["seq_len"]
+        cache_dict = cache.as_dict(rows=rows) if hasattr(cache, "as_dict") else None
         depth = self._mar.config["decoder_depth"]
         if cache.name == "lazymar" and cache.token_cache and cache.select_layer >= depth:
             raise ValueError(f"LazyMAR.select_layer={cache.select_layer} but the decoder has {depth} layers")
@@ -201,13 +260,13 @@ class MARModel:
                                      temperature=float(temperature), seed=int(seed))
 
     def decode(self, tokens):
-        """KL-16 VAE decode of latent tokens [N, S, C] -> uint8 images [N, H, W, 3]."""
+        """Decode of tokens [N, S, C] (KL-16 VAE, or the pixel decoder) -> uint8 images [N, H, W, 3]."""
         if self._vae is None:
             raise ValueError("this model was loaded without a VAE: pass vae= to marcache.load")
         return self._vae.decode_uint8(np.ascontiguousarray(tokens, np.float32))
 
     def decode_float(self, tokens):
-        """KL-16 VAE decode to float images [N, H, W, 3], nominally in [-1, 1]."""
+        """Decode to float images [N, H, W, channels], nominally in [-1, 1]."""
         if self._vae is None:
             raise ValueError("this model was loaded without a VAE: pass vae= to marcache.load")
         return self._vae.decode(np.ascontiguousarray(tokens, np.float32))
@@ -278,6 +337,16 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     _check_kind(path, "mar", "model")
     if vae_path is not None:
         _check_kind(vae_path, "vae-kl16", "vae=")
+    _, metadata = _C.safetensors_info(path)
+    decoder = metadata.get("decoder")
+    if decoder not in (None, "pixels"):
+        raise ValueError(f"{path}: metadata decoder={decoder!r} is not one marcache knows ('pixels')")
+    if decoder == "pixels" and vae_path is not None:
+        raise ValueError(f"{path} is a pixel-token model (metadata decoder='pixels'): it decodes without a VAE, "
+                         f"do not pass vae=")
     mar = _C.MAR(path, heads=heads or 0, diffusion_steps=diffusion_steps, threads=int(threads))
-    vae_obj = _C.VAE(vae_path) if vae_path is not None else None
+    if decoder == "pixels":
+        vae_obj = PixelDecoder.from_metadata(metadata, dict(mar.config), path)
+    else:
+        vae_obj = _C.VAE(vae_path) if vae_path is not None else None
     return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)

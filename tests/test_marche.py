@@ -40,7 +40,9 @@ def test_merged_attention_equals_concatenated(fresh, cached, heads, hd):
 
 def test_defaults_follow_the_paper():
     m = mc.MARche()
-    assert (m.budget, m.select_layer, m.full_layers, m.refresh_period) == (64, 2, 2, 3)
+    assert (m.budget_for(320), m.select_layer, m.full_layers, m.refresh_period) == (64, 2, 2, 3)
+    # budget=None scales with the model: one fifth of the decoder rows
+    assert m.budget is None and m.budget_for(80) == 16 and mc.MARche(budget=50).budget_for(80) == 50
     assert [s for s in range(64) if m.is_full_step(s)] == list(range(0, 64, 3))
     # marche.md 2.1: 64 steps, budget 64: |A| is always 64 on cached steps
     assert m.active_rows(1, 1) == 64 and m.active_rows(7, 6) == 64 and m.active_rows(40, 30) == 70

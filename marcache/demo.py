@@ -1,0 +1,113 @@
+"""``python -m marcache demo``: the shipped digits MAR with every cache policy, side by side.
+
+Generates ``per_class`` digits of every class with each policy (the same labels and seeds),
+prints a table (seconds per image, speedup over NoCache, class accuracy of the shipped
+classifier, digits-FID against the training digits, pixel fidelity to NoCache) and writes
+one PNG with a panel per policy (left to right in table order; one row per class 0..9).
+"""
+import time
+
+import numpy as np
+
+from . import digits
+from .caches import LazyMAR, MARche, NoCache
+from .png import grid, write_png
+
+
+def default_policies():
+    """Every cache policy marcache has, at its default settings."""
+    return [("NoCache", NoCache()), ("LazyMAR", LazyMAR()), ("MARche", MARche())]
+
+
+def _psnr(a, b):
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10.0 * np.log10(255.0 ** 2 / mse)
+
+
+def evaluate_policies(model, classifier, labels, policies, steps=digits.STEPS, cfg=digits.CFG,
+                      temperature=digits.TEMPERATURE, seed=0, train_features=None, progress=None):
+    """Generates `labels` with each (name, policy); returns one dict per policy with the
+    images and: seconds, seconds_per_image, speedup (vs the first policy), accuracy,
+    fid (vs train_features when given), psnr and mean_abs_diff (uint8 levels, vs the
+    first policy's images)."""
+    rows = []
+    for name, policy in policies:
+        t0 = time.perf_counter()
+        images = model.generate(labels=labels, steps=steps, cfg=cfg, temperature=temperature, seed=seed,
+                                cache=policy)
+        seconds = time.perf_counter() - t0
+        row = dict(policy=name, cache=policy, images=images, seconds=seconds, seconds_per_image=seconds / len(labels),
+                   accuracy=classifier.accuracy(images, labels))
+        if train_features is not None:
+            row["fid"] = digits.fid(classifier.features(images), train_features)
+        first = rows[0] if rows else row
+        row["speedup"] = first["seconds"] / seconds
+        diff = images[..., 0].astype(np.float64) - first["images"][..., 0].astype(np.float64)
+        row["mean_abs_diff"] = float(np.abs(diff).mean())
+        row["psnr"] = _psnr(images[..., 0], first["images"][..., 0])
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
+
+
+def format_table(rows, reference=None):
+    head = (f"{'policy':<10} {'s/image':>8} {'speedup':>8} {'class acc':>10} {'digits-FID':>11} "
+            f"{'PSNR vs NoCache':>16} {'mean |diff|':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        psnr = "identical" if r["psnr"] == float("inf") else f"{r['psnr']:.1f} dB"
+        lines.append(f"{r['policy']:<10} {r['seconds_per_image']:>8.3f} {r['speedup']:>7.2f}x "
+                     f"{100 * r['accuracy']:>9.1f}% {r.get('fid', float('nan')):>11.2f} {psnr:>16} "
+                     f"{r['mean_abs_diff']:>12.2f}")
+    if reference is not None:
+        lines.append(f"{reference['policy']:<10} {'':>8} {'':>8} {100 * reference['accuracy']:>9.1f}% "
+                     f"{reference['fid']:>11.2f}")
+    return "\n".join(lines)
+
+
+def panels(rows, per_class, scale=3, gap=12):
+    """One grid per policy (a row per class), side by side, on white."""
+    tiles = []
+    for r in rows:
+        big = np.repeat(np.repeat(r["images"], scale, axis=1), scale, axis=2)
+        tiles.append(grid(big, columns=per_class, pad=2))
+    height = max(t.shape[0] for t in tiles)
+    out = []
+    for i, t in enumerate(tiles):
+        if i:
+            out.append(np.full((height, gap, 3), 255, np.uint8))
+        pad = np.full((height - t.shape[0], t.shape[1], 3), 255, np.uint8)
+        out.append(np.concatenate([t, pad], axis=0))
+    return np.concatenate(out, axis=1)
+
+
+def run(out="demo.png", per_class=10, steps=digits.STEPS, cfg=digits.CFG, seed=0, threads=0, quiet=False,
+        policies=None):
+    """The demo; returns (rows, reference). Prints as it goes unless quiet."""
+    say = (lambda *a: None) if quiet else print  # noqa: E731
+    t_start = time.perf_counter()
+    model = digits.load_model(threads=threads)
+    classifier = digits.Classifier.load()
+    data = digits.load_data()
+    train_features = classifier.features(data["images"][data["train"]])
+    held = data["held_out"]
+    reference = dict(policy="real", accuracy=classifier.accuracy(data["images"][held], data["labels"][held]),
+                     fid=digits.fid(classifier.features(data["images"][held]), train_features))
+    labels = digits.class_labels(per_class)
+    say(f"marcache demo: {model!r}")
+    say(f"{len(labels)} digits per policy ({per_class} per class), {steps} AR steps, cfg {cfg} (linear), "
+        f"seed {seed}")
+    rows = evaluate_policies(model, classifier, labels, policies or default_policies(), steps=steps, cfg=cfg,
+                             seed=seed, train_features=train_features,
+                             progress=lambda r: say(f"  {r['policy']}: {r['seconds']:.1f} s"))
+    say("")
+    say(format_table(rows, reference))
+    say(f"digits-FID: 64-d features of the shipped classifier, {len(labels)} generated digits (or the "
+        f"{len(held)} held-out real digits, last row) against the {len(data['train'])} training digits; "
+        f"class acc: the classifier's agreement with the requested label.")
+    if out:
+        write_png(out, panels(rows, per_class))
+        say(f"wrote {out}: panels left to right {', '.join(r['policy'] for r in rows)}; one row per class 0-9")
+    say(f"total {time.perf_counter() - t_start:.1f} s")
+    return rows, reference
