@@ -5,6 +5,9 @@
 #include <time.h>
 
 #include "../backend/cpu/cpu_internal.h"
+#ifdef MC_HAVE_CUDA
+#include "../backend/cuda/cuda_backend.h"
+#endif
 
 #ifndef MC_BLAS_NAME
 #define MC_BLAS_NAME "unknown"
@@ -40,12 +43,71 @@ int mcpy_cancel_check(void *ctx) {
     return interrupted;
 }
 
+/* "13.0" from 13000 (cudaRuntimeGetVersion's encoding); None for 0. */
+static PyObject *cuda_version_string(int v) {
+    if (v <= 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat("%d.%d", v / 1000, (v % 1000) / 10);
+}
+
+/* The CUDA entries of build_info: whether the backend is built, the
+ * versions of the runtime it links, of the driver and cuBLAS it finds, and
+ * the devices usable now (0 without a driver or device: the device query
+ * never raises). */
+static int add_cuda_info(PyObject *info) {
+#ifdef MC_HAVE_CUDA
+    int count = mc_cuda_device_count();
+    PyObject *names = PyList_New(count);
+    if (names == NULL)
+        return -1;
+    for (int i = 0; i < count; i++) {
+        char name[256];
+        mc_cuda_device_name(i, name, sizeof name);
+        PyObject *s = PyUnicode_FromString(name);
+        if (s == NULL) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyList_SET_ITEM(names, i, s);
+    }
+    int cublas = mc_cuda_cublas_version();
+    PyObject *cublas_s = cublas > 0 ? PyUnicode_FromFormat("%d.%d.%d", cublas / 10000,
+                                                           (cublas / 100) % 100, cublas % 100)
+                                    : (Py_INCREF(Py_None), Py_None);
+    PyObject *entries = Py_BuildValue(
+        "{s:O,s:N,s:N,s:N,s:i,s:N,s:s}", "cuda", Py_True, "cuda_runtime",
+        cuda_version_string(mc_cuda_runtime_version()), "cuda_driver",
+        cuda_version_string(mc_cuda_driver_version()), "cublas", cublas_s, "cuda_devices", count,
+        "cuda_device_names", names, "cuda_archs", MC_CUDA_ARCHS);
+#else
+    PyObject *entries = Py_BuildValue("{s:O,s:O,s:O,s:O,s:i,s:N,s:O}", "cuda", Py_False,
+                                      "cuda_runtime", Py_None, "cuda_driver", Py_None, "cublas",
+                                      Py_None, "cuda_devices", 0, "cuda_device_names",
+                                      PyList_New(0), "cuda_archs", Py_None);
+#endif
+    if (entries == NULL)
+        return -1;
+    int rc = PyDict_Update(info, entries);
+    Py_DECREF(entries);
+    return rc;
+}
+
 static PyObject *build_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    return Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:i,s:s}", "backends", "cpu", "blas", MC_BLAS_NAME,
-                         "blas_config", mc_cpu_blas_config(), "blas_core", mc_cpu_blas_core(),
-                         "cflags", MC_BUILD_CFLAGS, "openmp", _OPENMP, "compiler", __VERSION__);
+#ifdef MC_HAVE_CUDA
+    /* The backends run_op and the models can use now (_C.backends()). */
+    const char *backends = mc_cuda_device_count() > 0 ? "cpu,cuda" : "cpu";
+#else
+    const char *backends = "cpu";
+#endif
+    PyObject *info = Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:i,s:s}", "backends", backends, "blas",
+                                   MC_BLAS_NAME, "blas_config", mc_cpu_blas_config(), "blas_core",
+                                   mc_cpu_blas_core(), "cflags", MC_BUILD_CFLAGS, "openmp",
+                                   _OPENMP, "compiler", __VERSION__);
+    if (info != NULL && add_cuda_info(info) < 0)
+        Py_CLEAR(info);
+    return info;
 }
 
 /* Times the CPU backend's sgemm (C = A B^T, the nn.Linear form) on
