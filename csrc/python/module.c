@@ -155,10 +155,67 @@ static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(best);
 }
 
+#ifdef MC_HAVE_CUDA
+/* _cuda_pool_probe(sizes, rounds) -> reserved bytes after each round (see
+ * mc_cuda_pool_probe); a test hook for the CUDA backend's memory pool. */
+static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    int rounds;
+    if (!PyArg_ParseTuple(args, "Oi", &seq, &rounds))
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "sizes must be a sequence of integers");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    if (rounds < 1 || rounds > 1000 || count > 1000) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "_cuda_pool_probe: 1..1000 rounds of at most 1000 sizes");
+    }
+    size_t *sizes = PyMem_Calloc((size_t)count + 1, sizeof *sizes);
+    uint64_t *reserved = PyMem_Calloc((size_t)rounds, sizeof *reserved);
+    if (sizes == NULL || reserved == NULL) {
+        Py_DECREF(fast);
+        PyMem_Free(sizes);
+        PyMem_Free(reserved);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        sizes[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if (sizes[i] == (size_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            PyMem_Free(sizes);
+            PyMem_Free(reserved);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    mc_err err = {0};
+    mc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = mc_cuda_pool_probe(0, sizes, (int)count, rounds, reserved, &err);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (status != MC_OK) {
+        mcpy_raise(&err);
+    } else if ((result = PyList_New(rounds)) != NULL) {
+        for (int r = 0; r < rounds; r++)
+            PyList_SET_ITEM(result, r, PyLong_FromUnsignedLongLong(reserved[r]));
+    }
+    PyMem_Free(sizes);
+    PyMem_Free(reserved);
+    return result;
+}
+#endif
+
 static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
     {"sgemm_seconds", sgemm_seconds, METH_VARARGS,
      "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},
+#ifdef MC_HAVE_CUDA
+    {"_cuda_pool_probe", cuda_pool_probe, METH_VARARGS,
+     "_cuda_pool_probe(sizes, rounds) -> pool bytes reserved after each round (CUDA test hook)"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

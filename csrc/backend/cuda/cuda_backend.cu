@@ -322,3 +322,42 @@ extern "C" mc_status mc_backend_cuda_create(mc_backend **out, int device_index, 
     *out = be;
     return MC_OK;
 }
+
+extern "C" mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int count, int rounds,
+                                        uint64_t *reserved, mc_err *err) {
+    mc_backend *be = NULL;
+    MC_TRY(mc_backend_cuda_create(&be, device, err));
+    cuda_state *st = cuda_st(be);
+    void **blocks = (void **)calloc(count > 0 ? (size_t)count : 1, sizeof *blocks);
+    mc_status status = blocks == NULL ? mc_fail(err, MC_ERR_NOMEM, "pool probe: no host memory")
+                                      : MC_OK;
+    for (int r = 0; r < rounds && status == MC_OK; r++) {
+        int made = 0;
+        for (; made < count; made++)
+            if ((blocks[made] = be->ops->alloc(be, sizes[made], err)) == NULL)
+                break;
+        for (int i = 0; i < made; i++)
+            be->ops->release(be, blocks[i]);
+        if (made < count) {
+            status = err->status;
+            break;
+        }
+        cudaError_t code = cudaStreamSynchronize(st->stream);
+        if (code != cudaSuccess) {
+            status = mc_cuda_fail(code, "cudaStreamSynchronize", err);
+            break;
+        }
+        uint64_t bytes = 0;
+        if (st->pool != NULL) {
+            code = cudaMemPoolGetAttribute(st->pool, cudaMemPoolAttrReservedMemCurrent, &bytes);
+            if (code != cudaSuccess) {
+                status = mc_cuda_fail(code, "cudaMemPoolGetAttribute", err);
+                break;
+            }
+        }
+        reserved[r] = bytes;
+    }
+    free(blocks);
+    mc_backend_destroy(be);
+    return status;
+}

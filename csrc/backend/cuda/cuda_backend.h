@@ -6,6 +6,7 @@
 #define MC_CUDA_BACKEND_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -30,6 +31,16 @@ int mc_cuda_cublas_version(void);
 /* naive != 0 makes the ops that have a fast and a reference kernel
  * (attention, conv2d, conv2d_ex) run the reference one on this backend. */
 void mc_cuda_set_naive(mc_backend *be, int naive);
+
+/* Test hook: on a fresh backend of device `device`, `rounds` times
+ * allocates blocks of sizes[0..count) through ops->alloc, releases them and
+ * waits for the stream; reserved[r] is then the pool's reserved bytes
+ * (cudaMemPoolAttrReservedMemCurrent; 0 on a device without pools). In
+ * steady state it stays constant: the pool never returns memory and reuses
+ * the freed blocks. An allocation failure is the alloc op's error (out of
+ * device memory: MC_ERR_NOMEM naming the request). */
+mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int count, int rounds,
+                             uint64_t *reserved, mc_err *err);
 
 #ifdef __cplusplus
 }
