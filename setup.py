@@ -181,11 +181,12 @@ CUDA = cuda_config()
 def nvcc_args(cfg):
     args = ["-std=c++17", "-Xcompiler", "-fPIC", "-DMC_HAVE_CUDA=1",
             "-I" + os.path.join(HERE, "csrc"), "-isystem", cfg["cublas_include"],
-            # Warnings: host-side -Wall -Wextra through the host compiler, and
-            # every nvcc/cudafe/ptxas warning as an error. -Wpedantic and
-            # -std=c11-style strictness are not passed: the host code nvcc
-            # generates for kernel stubs is not pedantic-clean.
-            "-Xcompiler", "-Wall,-Wextra", "-Werror", "all-warnings"] + CUDA_GENCODE
+            # Warnings as errors on both sides: -Wall -Wextra -Werror for the
+            # host compiler, and every nvcc / cudafe / ptxas warning. Not
+            # -Wpedantic: gcc rejects the "# 1 file" line directives in the
+            # host code nvcc generates ("style of line directive is a GCC
+            # extension"), whatever our sources say.
+            "-Xcompiler", "-Wall,-Wextra,-Werror", "-Werror", "all-warnings"] + CUDA_GENCODE
     if os.environ.get("MARCACHE_DEBUG") == "1":
         args += ["-O0", "-g", "-G"]
     else:

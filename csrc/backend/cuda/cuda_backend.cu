@@ -101,6 +101,16 @@ static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
     cuda_state *st = cuda_st(be);
     if (mc_cuda_enter(be, err) != MC_OK)
         return NULL;
+    /* A request larger than the whole device is refused here: the driver's
+     * answer to absurd sizes is not documented (an allocator may assert on
+     * them); the message is the same out-of-memory one. */
+    if (bytes > st->total_mem) {
+        mc_fail(err, MC_ERR_NOMEM,
+                "cuda: cannot allocate %zu bytes of device memory on device %d (the device has "
+                "%zu bytes)",
+                bytes, st->device, st->total_mem);
+        return NULL;
+    }
     size_t request = bytes > 0 ? bytes : 1; /* a valid, distinct pointer for empty buffers */
     void *p = NULL;
     cudaError_t code = pool_malloc(st, &p, request);
@@ -264,6 +274,9 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     st->device = device_index;
     MC_CUDA_TRY(cudaSetDevice(device_index), err);
     MC_CUDA_TRY(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking), err);
+    cudaDeviceProp prop;
+    MC_CUDA_TRY(cudaGetDeviceProperties(&prop, device_index), err);
+    st->total_mem = prop.totalGlobalMem;
 
     int pools = 0;
     MC_CUDA_TRY(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_index), err);

@@ -38,6 +38,7 @@ typedef struct cuda_state {
      * alloc falls back to cudaMalloc / cudaFree. */
     cudaMemPool_t pool;
     int naive; /* run the reference kernels (mc_cuda_set_naive) */
+    size_t total_mem; /* the device's global memory, for requests that can never fit */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
     size_t scratch_bytes[MC_CUDA_SCRATCH_SLOTS];
 } cuda_state;
