@@ -78,9 +78,12 @@ def test_attention_head_dims(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.op == "attention"],
                          ids=[c.id for c in CASES if c.op == "attention"])
 def test_flash_equals_naive(case):
+    # Both are fp32 with different summation orders (sequential vs block
+    # reductions, online vs two-pass softmax): they agree to the case's
+    # tolerance against float64, not bit for bit.
     fast, _ = run_case(case)
     naive, _ = run_case(case, {"naive": True})
-    assert relative_error(fast, naive.astype(np.float64)) <= 2e-6
+    assert relative_error(fast, naive.astype(np.float64)) <= case.tol
 
 
 def test_pool_reuses_memory():
