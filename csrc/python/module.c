@@ -43,12 +43,14 @@ int mcpy_cancel_check(void *ctx) {
     return interrupted;
 }
 
+#ifdef MC_HAVE_CUDA
 /* "13.0" from 13000 (cudaRuntimeGetVersion's encoding); None for 0. */
 static PyObject *cuda_version_string(int v) {
     if (v <= 0)
         Py_RETURN_NONE;
     return PyUnicode_FromFormat("%d.%d", v / 1000, (v % 1000) / 10);
 }
+#endif
 
 /* The CUDA entries of build_info: whether the backend is built, the
  * versions of the runtime it links, of the driver and cuBLAS it finds, and
