@@ -114,7 +114,7 @@ def test_bad_generate_arguments(model, kwargs, match):
 def test_bad_load_arguments(tiny_path):
     with pytest.raises(ValueError, match="device must be"):
         mc.load(tiny_path, device="tpu")
-    with pytest.raises(ValueError, match="no CUDA backend"):
+    with pytest.raises(ValueError, match="no usable CUDA backend"):
         mc.load(tiny_path, device="cuda")
     with pytest.raises(ValueError, match="computes in fp32"):
         mc.load(tiny_path, dtype="bf16")
@@ -192,3 +192,14 @@ def test_concurrent_use_of_one_model_is_refused_not_corrupted(model):
     for t in threads:
         t.join()
     assert all("already running" in e for e in errors)
+
+
+def test_cuda_device_is_refused_until_models_run_there(tiny_path, monkeypatch):
+    """With a usable CUDA op table but models not yet wired to it, device='cuda' raises
+    instead of silently running on the CPU, and 'auto' means the CPU."""
+    import marcache.model as model_module
+
+    monkeypatch.setattr(model_module._C, "backends", lambda: ["cpu", "cuda"])
+    with pytest.raises(ValueError, match="models do not run on it yet"):
+        mc.load(tiny_path, device="cuda:0")
+    assert mc.load(tiny_path, device="auto").device == "cpu"

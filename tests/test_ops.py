@@ -467,14 +467,18 @@ case("groupnorm", "b1-hw256-c128-g32-offset")(groupnorm_builder(1, 256, 128, 32,
 
 
 # conv2d (pending on CPU): NHWC, PyTorch weight layout, k in {1, 3}.
-def conv2d_builder(batch, height, width, cin, cout, k, bias=True, beta=0.0, with_y=False):
+def conv2d_builder(batch, height, width, cin, cout, k, bias=True, beta=0.0, with_y=False,
+                   naive=False):
     def build(rng):
         x = randn(rng, batch, height, width, cin)
         w = randn(rng, cout, cin, k, k, scale=1.0 / np.sqrt(cin * k * k))
         inputs = (x, w, randn(rng, cout) if bias else None)
         if with_y:
             inputs += (randn(rng, batch, height, width, cout),)
-        return inputs, {"beta": f32(beta)}
+        params = {"beta": f32(beta)}
+        if naive:
+            params["naive"] = True
+        return inputs, params
     return build
 
 
@@ -486,6 +490,8 @@ case("conv2d", "b1-6x5-c16to8-k3-residual")(conv2d_builder(1, 6, 5, 16, 8, 3, be
                                                            with_y=True))
 case("conv2d", "b1-3x3-c4to4-k5")(conv2d_builder(1, 3, 3, 4, 4, 5))
 case("conv2d", "b1-8x8-c64to65-k3")(conv2d_builder(1, 8, 8, 64, 65, 3))
+case("conv2d", "b2-5x6-c5to7-k3-residual-naive")(conv2d_builder(2, 5, 6, 5, 7, 3, beta=1.0,
+                                                                 with_y=True, naive=True))
 
 
 # upsample_nearest2x (pending on CPU): a copy, exact.
@@ -880,6 +886,8 @@ BAD_CALLS = [
      {"heads": 3}, ValueError, "not a positive multiple of heads"),
     ("attention-pairs", "cpu", "attention", (_m(1, 2, 8), _m(1, 3, 8)), {"heads": 2},
      ValueError, "expected inputs (q, k1, v1"),
+    ("attention-naive-cpu", "cpu", "attention", (_m(1, 2, 8), _m(1, 3, 8), _m(1, 3, 8)),
+     {"heads": 2, "naive": True}, ValueError, "no separate reference kernel"),
     ("attention-v-rows", "cpu", "attention", (_m(1, 2, 8), _m(1, 3, 8), _m(1, 4, 8)),
      {"heads": 2}, ValueError, "argument 'v1': expected shape (1, 3, 8), got (1, 4, 8)"),
     ("cfg-channels", "cpu", "cfg_combine", (_m(2, 8), _m(2, 4)), {"scale": 2.0, "channels": 6},

@@ -243,6 +243,13 @@ static inline void mc_backend_destroy(mc_backend *be) {
         be->ops->destroy(be);
 }
 
+#ifdef MC_HAVE_CUDA
+/* The CUDA backend (csrc/backend/cuda/) on device `device_index`: one
+ * stream, one cuBLAS handle bound to it, a stream-ordered memory pool.
+ * Fails (MC_ERR_INTERNAL) when no usable device is present. */
+mc_status mc_backend_cuda_create(mc_backend **out, int device_index, mc_err *err);
+#endif
+
 /* Reusable scratch of the CPU backend (grow-only; valid until the next call). */
 float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err);
 

@@ -43,15 +43,17 @@
  *                strided) -> dst (idx in [0, n) and pairwise distinct)
  *   attention    (q [B,nq,H*hd], k1, v1, k2, v2, ...), each k/v
  *                [B,rows_s,H*hd] (1 to 8 segments; rows_s may be 0, at least
- *                one key in all), all strided; heads, scale=hd**-0.5
- *                -> out [B,nq,H*hd].
+ *                one key in all), all strided; heads, scale=hd**-0.5,
+ *                naive=False (CUDA only: the plain two-pass reference
+ *                kernel instead of the fused one) -> out [B,nq,H*hd].
  *                k_s and v_s share one ld and batch stride in mc_kv_segment:
  *                if their strides differ both are copied to C order.
  *   groupnorm    (x [B,HW,C], w [C], b [C]); groups, eps, swish=False,
  *                inplace=False -> y [B,HW,C]
  *   conv2d       (x [B,H,W,Cin], w [Cout,Cin,k,k] (PyTorch layout, k odd;
  *                repacked here to [Cout,k,k,Cin]), bias [Cout]=None,
- *                y [B,H,W,Cout]=None); beta=0 -> y
+ *                y [B,H,W,Cout]=None); beta=0, naive=False (the backend's
+ *                plain-loop reference kernel) -> y
  *   upsample_nearest2x (x [B,H,W,C],) -> y [B,2H,2W,C]
  *   cfg_combine  (cond [rows,>=ch] strided, uncond [rows,>=ch] strided);
  *                scale, channels=cond.shape[1] -> out [rows,channels]
@@ -70,7 +72,7 @@
  *   conv2d_ex    (x [B,H,W,Cin] pixel-strided, w [Cout,Cin,kh,kw] (PyTorch
  *                layout; repacked here), bias [Cout]=None, y [B,OH,OW,Cout]
  *                pixel-strided=None); stride_h=1, stride_w=1, pad_h=0,
- *                pad_w=0, beta=0, relu=False, naive=False (CPU only: the
+ *                pad_w=0, beta=0, relu=False, naive=False (the backend's
  *                plain-loop reference kernel) -> y
  *   avg_pool2d   (x [B,H,W,C] pixel-strided, y [B,OH,OW,C] pixel-strided=
  *                None); kh, kw, count_include_pad (required), stride_h=kh,
@@ -87,26 +89,43 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../backend/cpu/cpu_internal.h" /* conv2d_ex's plain-loop reference (naive=True) */
+#include "../backend/cpu/cpu_internal.h" /* the plain-loop conv references (naive=True) */
 #include "../backend/ops.h"
+#ifdef MC_HAVE_CUDA
+#include "../backend/cuda/cuda_backend.h"
+#endif
 
 /* ------------------------------------------------------------------------
  * Backends: one entry per factory built in. A CUDA build adds
- * {"cuda", create_cuda_backend} and nothing else changes. */
+ * {"cuda", create_cuda_backend}; backends() lists it only while a device is
+ * usable (so GPU tests skip on a machine without one), and run_op on it
+ * then fails with the factory's RuntimeError. */
 
 typedef mc_status (*backend_factory)(mc_backend **out, mc_err *err);
 
 typedef struct backend_entry {
     const char *name;
     backend_factory create;
+    int (*usable)(void); /* NULL: always */
 } backend_entry;
 
 static mc_status create_cpu_backend(mc_backend **out, mc_err *err) {
     return mc_backend_cpu_create(out, 0, err);
 }
 
+#ifdef MC_HAVE_CUDA
+static mc_status create_cuda_backend(mc_backend **out, mc_err *err) {
+    return mc_backend_cuda_create(out, 0, err);
+}
+
+static int cuda_usable(void) { return mc_cuda_device_count() > 0; }
+#endif
+
 static const backend_entry backend_table[] = {
-    {"cpu", create_cpu_backend},
+    {"cpu", create_cpu_backend, NULL},
+#ifdef MC_HAVE_CUDA
+    {"cuda", create_cuda_backend, cuda_usable},
+#endif
 };
 
 #define BACKEND_COUNT ((int)(sizeof backend_table / sizeof backend_table[0]))
@@ -647,6 +666,32 @@ static PyObject *finish_op(op_call *call, mc_status status, const operand *resul
     return download_operand(call, result);
 }
 
+/* naive=True runs the backend's plain reference kernel instead of its fast
+ * one. The CPU's references (the convolutions) are called directly: returns
+ * 1. The CUDA backend switches to its reference kernels for this call
+ * (attention, conv2d, conv2d_ex): returns 0 and the op runs as usual.
+ * Returns -1 with ValueError where there is no reference. */
+static int use_naive(op_call *call, int naive, int cpu_has_reference) {
+    if (!naive)
+        return 0;
+    const char *name = call->backend->ops->name;
+    if (strcmp(name, "cpu") == 0) {
+        if (cpu_has_reference)
+            return 1;
+        raise_value(call, "param 'naive': the cpu backend has no separate reference kernel for "
+                          "this op (its kernel is the plain form)");
+        return -1;
+    }
+#ifdef MC_HAVE_CUDA
+    if (strcmp(name, "cuda") == 0) {
+        mc_cuda_set_naive(call->backend, 1);
+        return 0;
+    }
+#endif
+    raise_value(call, "param 'naive': this backend has no reference kernels");
+    return -1;
+}
+
 static PyObject *run_gemm(op_call *call) {
     static const char *const keys[] = {"trans_a", "trans_b", "alpha", "beta", NULL};
     int trans_a, trans_b;
@@ -891,16 +936,18 @@ static PyObject *run_scatter_rows(op_call *call) {
 }
 
 static PyObject *run_attention(op_call *call) {
-    static const char *const keys[] = {"heads", "scale", NULL};
+    static const char *const keys[] = {"heads", "scale", "naive", NULL};
     static const char *const k_names[] = {"k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"};
     static const char *const v_names[] = {"v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8"};
     const int max_segments = (int)(sizeof k_names / sizeof k_names[0]);
     Py_ssize_t n_inputs = PyTuple_GET_SIZE(call->inputs);
     long long heads;
     double scale;
+    int naive;
     operand *q, *out;
     if (check_param_keys(call, keys) < 0 ||
-        param_integer(call, "heads", 1, 0, 1, INT_MAX_LL, &heads) < 0)
+        param_integer(call, "heads", 1, 0, 1, INT_MAX_LL, &heads) < 0 ||
+        param_bool(call, "naive", 0, &naive) < 0 || use_naive(call, naive, 0) < 0)
         return NULL;
     if (n_inputs < 3 || n_inputs % 2 == 0 || (n_inputs - 1) / 2 > max_segments) {
         PyErr_Format(PyExc_ValueError,
@@ -1023,11 +1070,13 @@ static PyArrayObject *repack_conv_weight(PyArrayObject *w) {
 }
 
 static PyObject *run_conv2d(op_call *call) {
-    static const char *const keys[] = {"beta", NULL};
+    static const char *const keys[] = {"beta", "naive", NULL};
     float beta;
+    int naive, cpu_naive = 0;
     operand *x, *w, *bias, *y;
     if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
-        check_arity(call, 2, 4) < 0 ||
+        param_bool(call, "naive", 0, &naive) < 0 ||
+        (cpu_naive = use_naive(call, naive, 1)) < 0 || check_arity(call, 2, 4) < 0 ||
         fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
         fetch_array(call, 1, "w", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
         fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0 ||
@@ -1067,10 +1116,16 @@ static PyObject *run_conv2d(op_call *call) {
     if (upload_all(call) < 0)
         return NULL;
     mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->conv2d(
-                                call->backend, x->device, batch, height, width, cin, w->device,
-                                bias != NULL ? bias->device : NULL, cout, (int)ksize, beta,
-                                y->device, &call->err));
+    const float *bd = bias != NULL ? bias->device : NULL;
+    if (cpu_naive)
+        RUN_WITHOUT_GIL(status, mc_cpu_conv2d_naive(call->backend, x->device, batch, height, width,
+                                                    cin, w->device, bd, cout, (int)ksize, beta,
+                                                    y->device, &call->err));
+    else
+        RUN_WITHOUT_GIL(status, call->backend->ops->conv2d(call->backend, x->device, batch, height,
+                                                           width, cin, w->device, bd, cout,
+                                                           (int)ksize, beta, y->device,
+                                                           &call->err));
     return finish_op(call, status, y);
 }
 
@@ -1312,18 +1367,17 @@ static PyObject *run_conv2d_ex(op_call *call) {
     static const char *const keys[] = {"stride_h", "stride_w", "pad_h", "pad_w", "beta",
                                        "relu",     "naive",    NULL};
     float beta;
-    int relu, naive;
+    int relu, naive, cpu_naive = 0;
     operand *x, *w, *bias, *y;
     if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
         param_bool(call, "relu", 0, &relu) < 0 || param_bool(call, "naive", 0, &naive) < 0 ||
+        (cpu_naive = use_naive(call, naive, 1)) < 0 ||
         check_arity(call, 2, 4) < 0 ||
         fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
         make_pixel_strided(call, x) < 0 ||
         fetch_array(call, 1, "w", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
         fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0)
         return NULL;
-    if (naive && strcmp(call->backend->ops->name, "cpu") != 0)
-        return raise_value(call, "param 'naive' selects the CPU reference kernel: CPU backend only");
     int64_t cin = x->shape[3], cout = w->shape[0], kh = w->shape[2], kw = w->shape[3];
     if (check_shape(call, w, (dim_rule[]){RULE_GE(1), RULE_EQ(cin), RULE_GE(1), RULE_GE(1)}) < 0 ||
         (bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(cout)}) < 0))
@@ -1346,7 +1400,7 @@ static PyObject *run_conv2d_ex(op_call *call) {
         return NULL;
     mc_status status;
     const float *bd = bias != NULL ? bias->device : NULL;
-    if (naive)
+    if (cpu_naive)
         RUN_WITHOUT_GIL(status, mc_cpu_conv2d_ex_naive(call->backend, &g, x->device, cin,
                                                        x->stride[2], w->device, bd, cout, beta,
                                                        relu, y->device, y->stride[2], &call->err));
@@ -1500,9 +1554,11 @@ static PyObject *py_backends(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
     const char *names[BACKEND_COUNT];
+    int count = 0;
     for (int i = 0; i < BACKEND_COUNT; i++)
-        names[i] = backend_table[i].name;
-    return name_list(names, BACKEND_COUNT);
+        if (backend_table[i].usable == NULL || backend_table[i].usable())
+            names[count++] = backend_table[i].name;
+    return name_list(names, count);
 }
 
 static PyObject *py_op_names(PyObject *self, PyObject *noargs) {

@@ -1,0 +1,381 @@
+/* Attention on the CUDA backend.
+ *
+ * attention: a fused flash-style kernel (one pass over the K/V segments with
+ * an online softmax: running max m, running sum l, and the output rescaled
+ * by exp(m_old - m_new) whenever the max grows), which is exactly the merge
+ * of per-segment softmax partials that ops.h asks for; no K/V is copied and
+ * the scores never reach global memory. Head dims up to 128 run on it (64
+ * and 80 with the loop bounds fixed at compile time); larger head dims (the
+ * VAE's single 512-wide head) and the reference mode use attention_naive, a
+ * plain two-pass softmax, one block per query row.
+ *
+ * attention_mass: row statistics (max and 1 / sum of exponentials) per
+ * (item, head, query), then one thread per (item, key) adds the
+ * probabilities over heads and queries in the CPU's order. */
+#include <math.h>
+
+#include "cuda_internal.h"
+
+/* Segments travel as one kernel argument (a few hundred bytes, well inside
+ * the 4 KiB limit). More segments than this are refused: the models use one
+ * or two; the op test at most eight. */
+#define ATT_MAX_SEGS 16
+
+struct att_segments {
+    const float *k[ATT_MAX_SEGS];
+    const float *v[ATT_MAX_SEGS];
+    int64_t rows[ATT_MAX_SEGS];
+    int64_t ld[ATT_MAX_SEGS];
+    int64_t bstride[ATT_MAX_SEGS];
+    int count;
+};
+
+/* ---- flash kernel ---------------------------------------------------------
+ *
+ * Launch geometry: one block per (item b, head h, tile of query rows), a
+ * 1-D grid of batch * heads * tiles blocks. A block has W warps (1..4, fewer
+ * when nq is small) and each warp owns ATT_ROWS = 4 query rows, so a tile is
+ * 4 W rows. K/V stream through shared memory in tiles of ATT_BK = 32 keys:
+ *   scores: lane j of a warp computes the score of key j for its 4 rows
+ *           (K tile rows padded to DMAX + 1 floats so the 32 lanes reading
+ *           column d of 32 different rows hit 32 different banks);
+ *   softmax: warp max / warp sum by shuffles, per row;
+ *   P V:    lane owns output columns lane, lane + 32, ... (NT of them), and
+ *           p_j is broadcast from lane j by a shuffle.
+ * Shared memory (static): Q 16 x DMAX + K 32 x (DMAX + 1) + V 32 x DMAX
+ * floats = 41,088 bytes at DMAX = 128, under the 48 KiB static limit.
+ * Keys past a segment's end load as zeros with score -inf (p = 0), so a
+ * partial tile contributes nothing, and 0 * V never meets garbage. */
+#define ATT_ROWS 4
+#define ATT_MAX_WARPS 4
+#define ATT_BK 32
+
+template <int NT, int DFIX>
+__global__ void __launch_bounds__(32 * ATT_MAX_WARPS)
+    flash_attention_kernel(int64_t nq, int heads, int head_dim, float scale, const float *q,
+                           int64_t ldq, int64_t q_bstride, att_segments segs, float *out,
+                           int64_t ldo, int64_t o_bstride, int64_t qtiles) {
+    constexpr int DMAX = 32 * NT;
+    const int D = DFIX > 0 ? DFIX : head_dim;
+    __shared__ float qs[ATT_MAX_WARPS * ATT_ROWS][DMAX];
+    __shared__ float ks[ATT_BK][DMAX + 1];
+    __shared__ float vs[ATT_BK][DMAX];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tile_rows = (int)(blockDim.x >> 5) * ATT_ROWS;
+    int64_t block = blockIdx.x;
+    const int64_t tile = block % qtiles;
+    block /= qtiles;
+    const int h = (int)(block % heads);
+    const int64_t b = block / heads;
+    const int64_t i0 = tile * tile_rows;
+
+    for (int e = threadIdx.x; e < tile_rows * D; e += blockDim.x) {
+        int r = e / D, d = e - r * D;
+        int64_t i = i0 + r;
+        qs[r][d] = i < nq ? q[b * q_bstride + i * ldq + (int64_t)h * D + d] : 0.0f;
+    }
+
+    float m[ATT_ROWS], l[ATT_ROWS], o[ATT_ROWS][NT];
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            o[r][t] = 0.0f;
+    }
+
+    for (int s = 0; s < segs.count; s++) {
+        const int64_t rows = segs.rows[s], ld = segs.ld[s];
+        const float *kb = segs.k[s] + b * segs.bstride[s] + (int64_t)h * D;
+        const float *vb = segs.v[s] + b * segs.bstride[s] + (int64_t)h * D;
+        for (int64_t t0 = 0; t0 < rows; t0 += ATT_BK) {
+            const int n = rows - t0 < ATT_BK ? (int)(rows - t0) : ATT_BK;
+            __syncthreads(); /* the previous tile is consumed (and Q is loaded) */
+            for (int e = threadIdx.x; e < ATT_BK * D; e += blockDim.x) {
+                int j = e / D, d = e - j * D;
+                float kv = 0.0f, vv = 0.0f;
+                if (j < n) {
+                    kv = kb[(t0 + j) * ld + d];
+                    vv = vb[(t0 + j) * ld + d];
+                }
+                ks[j][d] = kv;
+                vs[j][d] = vv;
+            }
+            __syncthreads();
+
+            float sc[ATT_ROWS];
+#pragma unroll
+            for (int r = 0; r < ATT_ROWS; r++)
+                sc[r] = 0.0f;
+#pragma unroll 8
+            for (int d = 0; d < D; d++) {
+                const float kd = ks[lane][d];
+#pragma unroll
+                for (int r = 0; r < ATT_ROWS; r++)
+                    sc[r] += qs[warp * ATT_ROWS + r][d] * kd;
+            }
+            float p[ATT_ROWS];
+#pragma unroll
+            for (int r = 0; r < ATT_ROWS; r++) {
+                const float x = lane < n ? sc[r] * scale : -INFINITY;
+                const float m_new = fmaxf(m[r], mc_warp_max(x));
+                const float alpha = expf(m[r] - m_new); /* 0 on the first tile (m = -inf) */
+                p[r] = expf(x - m_new);
+                l[r] = l[r] * alpha + mc_warp_sum(p[r]);
+                m[r] = m_new;
+#pragma unroll
+                for (int t = 0; t < NT; t++)
+                    o[r][t] *= alpha;
+            }
+            for (int j = 0; j < n; j++) {
+                float vj[NT];
+#pragma unroll
+                for (int t = 0; t < NT; t++) /* columns D..DMAX-1 of vs are never loaded */
+                    vj[t] = lane + 32 * t < D ? vs[j][lane + 32 * t] : 0.0f;
+#pragma unroll
+                for (int r = 0; r < ATT_ROWS; r++) {
+                    const float pj = __shfl_sync(0xffffffffu, p[r], j);
+#pragma unroll
+                    for (int t = 0; t < NT; t++)
+                        o[r][t] += pj * vj[t];
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) {
+        const int64_t i = i0 + warp * ATT_ROWS + r;
+        if (i >= nq)
+            continue;
+        float *orow = out + b * o_bstride + i * ldo + (int64_t)h * D;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const int d = lane + 32 * t;
+            if (d < D)
+                orow[d] = o[r][t] / l[r];
+        }
+    }
+}
+
+/* ---- reference kernel -----------------------------------------------------
+ *
+ * attention_naive: the textbook two-pass softmax, one block of
+ * NAIVE_THREADS per (item, head, query row), grid-stride over those rows.
+ * Pass 1 finds the max score over every key of every segment; pass 2 adds
+ * exp(s - max) into l and exp(s - max) v into the output row (each thread
+ * owns the columns d = tid, tid + blockDim, ...); the row is divided by l at
+ * the end. Each score is a block-wide dot product. Slow, any head_dim. */
+#define NAIVE_THREADS 128
+
+__device__ float naive_score(const float *qrow, const float *krow, int D, float scale,
+                             float *red) {
+    float part = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        part += qrow[d] * krow[d];
+    return mc_block_sum(part, red) * scale;
+}
+
+__global__ void attention_naive_kernel(int64_t batch, int64_t nq, int heads, int D, float scale,
+                                       const float *q, int64_t ldq, int64_t q_bstride,
+                                       att_segments segs, float *out, int64_t ldo,
+                                       int64_t o_bstride) {
+    __shared__ float red[32];
+    const int64_t items = batch * heads * nq;
+    for (int64_t row = blockIdx.x; row < items; row += gridDim.x) {
+        const int64_t i = row % nq, bh = row / nq;
+        const int h = (int)(bh % heads);
+        const int64_t b = bh / heads;
+        const float *qrow = q + b * q_bstride + i * ldq + (int64_t)h * D;
+        float *orow = out + b * o_bstride + i * ldo + (int64_t)h * D;
+
+        float m = -INFINITY;
+        for (int s = 0; s < segs.count; s++)
+            for (int64_t j = 0; j < segs.rows[s]; j++) {
+                const float *krow = segs.k[s] + b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
+                m = fmaxf(m, naive_score(qrow, krow, D, scale, red));
+            }
+
+        float l = 0.0f;
+        for (int d = threadIdx.x; d < D; d += blockDim.x)
+            orow[d] = 0.0f;
+        for (int s = 0; s < segs.count; s++)
+            for (int64_t j = 0; j < segs.rows[s]; j++) {
+                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
+                const float p = expf(naive_score(qrow, segs.k[s] + off, D, scale, red) - m);
+                l += p;
+                for (int d = threadIdx.x; d < D; d += blockDim.x)
+                    orow[d] += p * segs.v[s][off + d];
+            }
+        for (int d = threadIdx.x; d < D; d += blockDim.x)
+            orow[d] /= l;
+    }
+}
+
+/* ---- host side ------------------------------------------------------------ */
+
+template <int NT, int DFIX>
+static void launch_flash(int warps, int64_t blocks, int64_t nq, int heads, int head_dim,
+                         float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                         const att_segments &segs, float *out, int64_t ldo, int64_t o_bstride,
+                         int64_t qtiles, cudaStream_t stream) {
+    flash_attention_kernel<NT, DFIX><<<(unsigned)blocks, 32 * warps, 0, stream>>>(
+        nq, heads, head_dim, scale, q, ldq, q_bstride, segs, out, ldo, o_bstride, qtiles);
+}
+
+mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                            float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                            const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
+                            int64_t o_bstride, mc_err *err) {
+    int64_t total_keys = 0;
+    att_segments list;
+    list.count = 0;
+    for (int s = 0; s < nsegs; s++) {
+        total_keys += segs[s].rows;
+        if (segs[s].rows == 0)
+            continue; /* empty segments cost nothing and take no slot */
+        if (list.count == ATT_MAX_SEGS)
+            return mc_fail(err, MC_ERR_VALUE,
+                           "cuda attention: more than %d non-empty K/V segments", ATT_MAX_SEGS);
+        list.k[list.count] = segs[s].k;
+        list.v[list.count] = segs[s].v;
+        list.rows[list.count] = segs[s].rows;
+        list.ld[list.count] = segs[s].ld;
+        list.bstride[list.count] = segs[s].batch_stride;
+        list.count++;
+    }
+    if (nq == 0 || batch == 0)
+        return MC_OK;
+    if (total_keys == 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "attention: no keys to attend to");
+    if (heads <= 0 || head_dim <= 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "attention: %d heads of dim %d", heads, head_dim);
+    MC_TRY(mc_cuda_enter(be, err));
+    cuda_state *st = cuda_st(be);
+
+    if (st->naive || head_dim > 32 * 4) {
+        const int64_t items = batch * heads * nq;
+        attention_naive_kernel<<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
+            batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out, ldo, o_bstride);
+        MC_CUDA_LAUNCHED("attention_naive_kernel", err);
+        return MC_OK;
+    }
+
+    int64_t warps = (nq + ATT_ROWS - 1) / ATT_ROWS;
+    if (warps > ATT_MAX_WARPS)
+        warps = ATT_MAX_WARPS;
+    const int64_t qtiles = (nq + warps * ATT_ROWS - 1) / (warps * ATT_ROWS);
+    const int64_t blocks = batch * heads * qtiles;
+    if (blocks > 0x7fffffffLL)
+        return mc_fail(err, MC_ERR_VALUE, "cuda attention: %lld blocks exceed the grid limit",
+                       (long long)blocks);
+    const int w = (int)warps;
+    if (head_dim == 64)
+        launch_flash<2, 64>(w, blocks, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out,
+                            ldo, o_bstride, qtiles, st->stream);
+    else if (head_dim == 80)
+        launch_flash<3, 80>(w, blocks, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out,
+                            ldo, o_bstride, qtiles, st->stream);
+    else if (head_dim <= 32)
+        launch_flash<1, 0>(w, blocks, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out,
+                           ldo, o_bstride, qtiles, st->stream);
+    else if (head_dim <= 64)
+        launch_flash<2, 0>(w, blocks, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out,
+                           ldo, o_bstride, qtiles, st->stream);
+    else if (head_dim <= 96)
+        launch_flash<3, 0>(w, blocks, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out,
+                           ldo, o_bstride, qtiles, st->stream);
+    else
+        launch_flash<4, 0>(w, blocks, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out,
+                           ldo, o_bstride, qtiles, st->stream);
+    MC_CUDA_LAUNCHED("flash_attention_kernel", err);
+    return MC_OK;
+}
+
+/* ---- attention_mass -------------------------------------------------------- */
+
+/* One warp per (item, head, query) row, grid-stride over rows: lanes take
+ * keys j = lane, lane + 32, ...; pass 1 the max score, pass 2 the sum of
+ * exp(s - max). Stored as (max, 1 / sum), the CPU's softmax (expf, then a
+ * multiply by the reciprocal of the sum). */
+__device__ __forceinline__ float dot_scaled(const float *a, const float *b, int D, float scale) {
+    float acc = 0.0f;
+    for (int d = 0; d < D; d++)
+        acc += a[d] * b[d];
+    return acc * scale;
+}
+
+__global__ void mass_stats_kernel(int64_t batch, int64_t nq, int heads, int D, float scale,
+                                  const float *q, int64_t ldq, int64_t q_bstride, const float *k,
+                                  int64_t ldk, int64_t k_bstride, int64_t keys, float2 *stats) {
+    const int lane = threadIdx.x & 31;
+    const int64_t rows = batch * heads * nq;
+    const int64_t warps_per_block = blockDim.x >> 5;
+    for (int64_t row = blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
+         row += (int64_t)gridDim.x * warps_per_block) {
+        const int64_t i = row % nq, bh = row / nq;
+        const int h = (int)(bh % heads);
+        const int64_t b = bh / heads;
+        const float *qrow = q + b * q_bstride + i * ldq + (int64_t)h * D;
+        const float *kb = k + b * k_bstride + (int64_t)h * D;
+        float m = -INFINITY;
+        for (int64_t j = lane; j < keys; j += 32)
+            m = fmaxf(m, dot_scaled(qrow, kb + j * ldk, D, scale));
+        m = mc_warp_max(m);
+        float l = 0.0f;
+        for (int64_t j = lane; j < keys; j += 32)
+            l += expf(dot_scaled(qrow, kb + j * ldk, D, scale) - m);
+        l = mc_warp_sum(l);
+        if (lane == 0)
+            stats[row] = make_float2(m, 1.0f / l);
+    }
+}
+
+/* One thread per (item b, key j): out[b, j] = sum over h, then i, of
+ * exp(s - max) * (1 / sum), in that order (the CPU's accumulation order). */
+__global__ void mass_sum_kernel(int64_t batch, int64_t nq, int heads, int D, float scale,
+                                const float *q, int64_t ldq, int64_t q_bstride, const float *k,
+                                int64_t ldk, int64_t k_bstride, int64_t keys, const float2 *stats,
+                                float *out) {
+    MC_GRID_STRIDE_LOOP(e, batch * keys) {
+        const int64_t b = e / keys, j = e - b * keys;
+        float acc = 0.0f;
+        for (int h = 0; h < heads; h++) {
+            const float *krow = k + b * k_bstride + j * ldk + (int64_t)h * D;
+            for (int64_t i = 0; i < nq; i++) {
+                const float2 st = stats[(b * heads + h) * nq + i];
+                const float *qrow = q + b * q_bstride + i * ldq + (int64_t)h * D;
+                acc += expf(dot_scaled(qrow, krow, D, scale) - st.x) * st.y;
+            }
+        }
+        out[e] = acc;
+    }
+}
+
+mc_status mc_cuda_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int heads,
+                                 int head_dim, float scale, const float *q, int64_t ldq,
+                                 int64_t q_bstride, const float *k, int64_t ldk, int64_t k_bstride,
+                                 int64_t keys, float *out, mc_err *err) {
+    if (batch == 0 || keys == 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    cuda_state *st = cuda_st(be);
+    const int64_t rows = batch * heads * nq;
+    float2 *stats = NULL;
+    if (rows > 0) {
+        stats = (float2 *)mc_cuda_scratch(be, MC_CUDA_SLOT_STATS, (size_t)rows * sizeof(float2), err);
+        if (stats == NULL)
+            return err->status;
+        const int warps = 4;
+        mass_stats_kernel<<<mc_cuda_blocks(rows, warps), 32 * warps, 0, st->stream>>>(
+            batch, nq, heads, head_dim, scale, q, ldq, q_bstride, k, ldk, k_bstride, keys, stats);
+        MC_CUDA_LAUNCHED("mass_stats_kernel", err);
+    }
+    mass_sum_kernel<<<mc_cuda_blocks(batch * keys, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
+                      st->stream>>>(batch, nq, heads, head_dim, scale, q, ldq, q_bstride, k, ldk,
+                                    k_bstride, keys, stats, out);
+    MC_CUDA_LAUNCHED("mass_sum_kernel", err);
+    return MC_OK;
+}

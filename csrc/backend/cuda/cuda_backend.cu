@@ -1,0 +1,376 @@
+/* The CUDA backend: creation and teardown, device memory (a stream-ordered
+ * pool), host <-> device copies, grow-only scratch, error helpers, the
+ * run-time facts build_info() reports, and the op table.
+ *
+ * One backend = one device, one non-blocking stream, one cuBLAS handle bound
+ * to that stream. Every op is enqueued on the stream; only upload and
+ * download wait for it (they hand host memory back to the caller). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+/* ---- errors ------------------------------------------------------------- */
+
+mc_status mc_cuda_fail(cudaError_t code, const char *call, mc_err *err) {
+    (void)cudaGetLastError(); /* clear it: the next launch check must not see it again */
+    mc_status status = code == cudaErrorMemoryAllocation ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
+    return mc_fail(err, status, "cuda: %s failed: %s (%s)", call, cudaGetErrorString(code),
+                   cudaGetErrorName(code));
+}
+
+mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err) {
+    mc_status status = code == CUBLAS_STATUS_ALLOC_FAILED ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
+    return mc_fail(err, status, "cublas: %s failed: %s (%s)", call, cublasGetStatusString(code),
+                   cublasGetStatusName(code));
+}
+
+mc_status mc_cuda_enter(mc_backend *be, mc_err *err) {
+    MC_CUDA_TRY(cudaSetDevice(cuda_st(be)->device), err);
+    return MC_OK;
+}
+
+/* ---- run-time facts ----------------------------------------------------- */
+
+extern "C" int mc_cuda_device_count(void) {
+    /* -1: not asked yet. The binding holds the GIL when it asks, so the
+     * cache needs no lock. */
+    static int cached = -1;
+    if (cached < 0) {
+        int count = 0;
+        /* Without a driver (libcuda.so.1 missing) or a device this returns
+         * cudaErrorInsufficientDriver / cudaErrorNoDevice: that is 0 devices. */
+        if (cudaGetDeviceCount(&count) != cudaSuccess)
+            count = 0;
+        (void)cudaGetLastError();
+        cached = count;
+    }
+    return cached;
+}
+
+extern "C" void mc_cuda_device_name(int index, char *buf, size_t size) {
+    if (size == 0)
+        return;
+    buf[0] = '\0';
+    if (index < 0 || index >= mc_cuda_device_count())
+        return;
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, index) == cudaSuccess)
+        snprintf(buf, size, "%s", prop.name);
+    (void)cudaGetLastError();
+}
+
+extern "C" int mc_cuda_runtime_version(void) {
+    int v = 0;
+    if (cudaRuntimeGetVersion(&v) != cudaSuccess)
+        v = 0;
+    (void)cudaGetLastError();
+    return v;
+}
+
+extern "C" int mc_cuda_driver_version(void) {
+    int v = 0;
+    if (cudaDriverGetVersion(&v) != cudaSuccess) /* 0 when no driver is installed */
+        v = 0;
+    (void)cudaGetLastError();
+    return v;
+}
+
+extern "C" int mc_cuda_cublas_version(void) {
+    /* cublasGetProperty needs no handle and no device. */
+    int major = 0, minor = 0, patch = 0;
+    if (cublasGetProperty(MAJOR_VERSION, &major) != CUBLAS_STATUS_SUCCESS ||
+        cublasGetProperty(MINOR_VERSION, &minor) != CUBLAS_STATUS_SUCCESS ||
+        cublasGetProperty(PATCH_LEVEL, &patch) != CUBLAS_STATUS_SUCCESS)
+        return 0;
+    return major * 10000 + minor * 100 + patch;
+}
+
+extern "C" void mc_cuda_set_naive(mc_backend *be, int naive) { cuda_st(be)->naive = naive != 0; }
+
+/* ---- memory ------------------------------------------------------------- */
+
+static cudaError_t pool_malloc(cuda_state *st, void **p, size_t bytes) {
+    if (st->pool != NULL)
+        return cudaMallocFromPoolAsync(p, bytes, st->pool, st->stream);
+    return cudaMalloc(p, bytes);
+}
+
+static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    if (mc_cuda_enter(be, err) != MC_OK)
+        return NULL;
+    /* A request larger than the whole device is refused here: the driver's
+     * answer to absurd sizes is not documented (an allocator may assert on
+     * them); the message is the same out-of-memory one. */
+    if (bytes > st->total_mem) {
+        mc_fail(err, MC_ERR_NOMEM,
+                "cuda: cannot allocate %zu bytes of device memory on device %d (the device has "
+                "%zu bytes)",
+                bytes, st->device, st->total_mem);
+        return NULL;
+    }
+    size_t request = bytes > 0 ? bytes : 1; /* a valid, distinct pointer for empty buffers */
+    void *p = NULL;
+    cudaError_t code = pool_malloc(st, &p, request);
+    if (code == cudaErrorMemoryAllocation) {
+        /* Blocks freed in stream order are reusable once the stream has
+         * passed their frees: wait for it and try once more. */
+        (void)cudaGetLastError();
+        if (cudaStreamSynchronize(st->stream) == cudaSuccess)
+            code = pool_malloc(st, &p, request);
+    }
+    if (code != cudaSuccess) {
+        (void)cudaGetLastError();
+        mc_fail(err, code == cudaErrorMemoryAllocation ? MC_ERR_NOMEM : MC_ERR_INTERNAL,
+                "cuda: cannot allocate %zu bytes of device memory on device %d (%s: %s)", bytes,
+                st->device, st->pool != NULL ? "cudaMallocFromPoolAsync" : "cudaMalloc",
+                cudaGetErrorString(code));
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_release(mc_backend *be, void *ptr) {
+    cuda_state *st = cuda_st(be);
+    if (ptr == NULL || cudaSetDevice(st->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    /* In stream order: kernels already enqueued that read ptr finish first. */
+    cudaError_t code = st->pool != NULL ? cudaFreeAsync(ptr, st->stream) : cudaFree(ptr);
+    if (code != cudaSuccess)
+        (void)cudaGetLastError(); /* release cannot fail; a sticky error shows at the next op */
+}
+
+void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    if (slot < 0 || slot >= MC_CUDA_SCRATCH_SLOTS) {
+        mc_fail(err, MC_ERR_INTERNAL, "cuda: scratch slot %d out of range", slot);
+        return NULL;
+    }
+    if (st->scratch_bytes[slot] < bytes || st->scratch[slot] == NULL) {
+        void *fresh = cuda_alloc(be, bytes, err);
+        if (fresh == NULL)
+            return NULL;
+        cuda_release(be, st->scratch[slot]);
+        st->scratch[slot] = fresh;
+        st->scratch_bytes[slot] = bytes;
+    }
+    return st->scratch[slot];
+}
+
+/* Host memory is returned to the caller when upload returns, so it waits
+ * for the copy: cudaMemcpyAsync from pageable memory may return before the
+ * bytes are read, and from pinned memory it always does. */
+static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, size_t bytes,
+                             mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    if (bytes == 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    MC_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st->stream), err);
+    MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    return MC_OK;
+}
+
+static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, size_t bytes,
+                               mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    if (bytes == 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    MC_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st->stream), err);
+    /* Also where a fault of an earlier kernel on the stream is reported. */
+    MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    return MC_OK;
+}
+
+static mc_status cuda_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    if (bytes == 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    MC_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st->stream), err);
+    return MC_OK;
+}
+
+/* ---- lifetime ----------------------------------------------------------- */
+
+static void cuda_free_state(cuda_state *st) {
+    if (st == NULL)
+        return;
+    if (cudaSetDevice(st->device) == cudaSuccess) {
+        if (st->stream != NULL)
+            (void)cudaStreamSynchronize(st->stream);
+        for (int i = 0; i < MC_CUDA_SCRATCH_SLOTS; i++)
+            if (st->scratch[i] != NULL)
+                (void)(st->pool != NULL ? cudaFreeAsync(st->scratch[i], st->stream)
+                                        : cudaFree(st->scratch[i]));
+        if (st->stream != NULL)
+            (void)cudaStreamSynchronize(st->stream);
+        if (st->blas != NULL)
+            (void)cublasDestroy(st->blas);
+        /* Blocks a model never released keep the pool alive until they are
+         * freed (cudaMemPoolDestroy defers); nothing leaks on our side. */
+        if (st->pool != NULL)
+            (void)cudaMemPoolDestroy(st->pool);
+        if (st->stream != NULL)
+            (void)cudaStreamDestroy(st->stream);
+    }
+    (void)cudaGetLastError();
+    free(st);
+}
+
+static void cuda_destroy(mc_backend *be) {
+    cuda_free_state(cuda_st(be));
+    free(be);
+}
+
+static mc_ops make_cuda_ops(void) {
+    mc_ops ops;
+    memset(&ops, 0, sizeof ops);
+    ops.name = "cuda";
+    ops.destroy = cuda_destroy;
+    ops.alloc = cuda_alloc;
+    ops.release = cuda_release;
+    ops.upload = cuda_upload;
+    ops.download = cuda_download;
+    ops.copy = cuda_copy;
+    ops.gemm = mc_cuda_gemm;
+    ops.linear = mc_cuda_linear;
+    ops.layernorm = mc_cuda_layernorm;
+    ops.activation = mc_cuda_activation;
+    ops.add_rows = mc_cuda_add_rows;
+    ops.gated_add = mc_cuda_gated_add;
+    ops.gather_rows = mc_cuda_gather_rows;
+    ops.scatter_rows = mc_cuda_scatter_rows;
+    ops.attention = mc_cuda_attention;
+    ops.groupnorm = mc_cuda_groupnorm;
+    ops.conv2d = mc_cuda_conv2d;
+    ops.upsample_nearest2x = mc_cuda_upsample_nearest2x;
+    ops.cfg_combine = mc_cuda_cfg_combine;
+    ops.ddpm_step = mc_cuda_ddpm_step;
+    ops.token_normals = mc_cuda_token_normals;
+    ops.axpby = mc_cuda_axpby;
+    ops.cosine_rows = mc_cuda_cosine_rows;
+    ops.attention_mass = mc_cuda_attention_mass;
+    ops.conv2d_ex = mc_cuda_conv2d_ex;
+    ops.avg_pool2d = mc_cuda_avg_pool2d;
+    ops.max_pool2d = mc_cuda_max_pool2d;
+    ops.resize_bilinear_tf1 = mc_cuda_resize_bilinear_tf1;
+    return ops;
+}
+
+/* C++ has no designated initialisers before C++20: the table is filled
+ * field by field once (a function-local static is initialised thread-safely). */
+static const mc_ops *cuda_ops(void) {
+    static const mc_ops ops = make_cuda_ops();
+    return &ops;
+}
+
+static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
+    st->device = device_index;
+    MC_CUDA_TRY(cudaSetDevice(device_index), err);
+    MC_CUDA_TRY(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking), err);
+    cudaDeviceProp prop;
+    MC_CUDA_TRY(cudaGetDeviceProperties(&prop, device_index), err);
+    st->total_mem = prop.totalGlobalMem;
+
+    int pools = 0;
+    MC_CUDA_TRY(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_index), err);
+    if (pools) {
+        cudaMemPoolProps props;
+        memset(&props, 0, sizeof props);
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = device_index;
+        MC_CUDA_TRY(cudaMemPoolCreate(&st->pool, &props), err);
+        /* Keep every freed block: steady state never returns memory to the
+         * driver nor asks it for more. */
+        uint64_t threshold = UINT64_MAX;
+        MC_CUDA_TRY(cudaMemPoolSetAttribute(st->pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+                    err);
+    }
+
+    MC_CUBLAS_TRY(cublasCreate(&st->blas), err);
+    MC_CUBLAS_TRY(cublasSetStream(st->blas, st->stream), err);
+    /* Plain fp32: no TF32 tensor-core rounding of the inputs (GEMMs take
+     * CUBLAS_COMPUTE_32F as well, see cuda_blas.cu). */
+    MC_CUBLAS_TRY(cublasSetMathMode(st->blas, CUBLAS_DEFAULT_MATH), err);
+    /* No atomics: the same inputs give the same bits on the same device. */
+    MC_CUBLAS_TRY(cublasSetAtomicsMode(st->blas, CUBLAS_ATOMICS_NOT_ALLOWED), err);
+    return MC_OK;
+}
+
+extern "C" mc_status mc_backend_cuda_create(mc_backend **out, int device_index, mc_err *err) {
+    *out = NULL;
+    int count = 0;
+    cudaError_t code = cudaGetDeviceCount(&count);
+    if (code != cudaSuccess) {
+        (void)cudaGetLastError();
+        return mc_fail(err, MC_ERR_INTERNAL,
+                       "cuda backend: no usable CUDA device (cudaGetDeviceCount: %s)",
+                       cudaGetErrorString(code));
+    }
+    if (device_index < 0 || device_index >= count)
+        return mc_fail(err, MC_ERR_VALUE, "cuda backend: device %d does not exist (%d device%s)",
+                       device_index, count, count == 1 ? "" : "s");
+    mc_backend *be = (mc_backend *)calloc(1, sizeof *be);
+    cuda_state *st = (cuda_state *)calloc(1, sizeof *st);
+    if (be == NULL || st == NULL) {
+        free(be);
+        free(st);
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CUDA backend");
+    }
+    if (create_state(st, device_index, err) != MC_OK) {
+        cuda_free_state(st);
+        free(be);
+        return err->status;
+    }
+    be->ops = cuda_ops();
+    be->device_index = device_index;
+    be->impl = st;
+    *out = be;
+    return MC_OK;
+}
+
+extern "C" mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int count, int rounds,
+                                        uint64_t *reserved, mc_err *err) {
+    mc_backend *be = NULL;
+    MC_TRY(mc_backend_cuda_create(&be, device, err));
+    cuda_state *st = cuda_st(be);
+    void **blocks = (void **)calloc(count > 0 ? (size_t)count : 1, sizeof *blocks);
+    mc_status status = blocks == NULL ? mc_fail(err, MC_ERR_NOMEM, "pool probe: no host memory")
+                                      : MC_OK;
+    for (int r = 0; r < rounds && status == MC_OK; r++) {
+        int made = 0;
+        for (; made < count; made++)
+            if ((blocks[made] = be->ops->alloc(be, sizes[made], err)) == NULL)
+                break;
+        for (int i = 0; i < made; i++)
+            be->ops->release(be, blocks[i]);
+        if (made < count) {
+            status = err->status;
+            break;
+        }
+        cudaError_t code = cudaStreamSynchronize(st->stream);
+        if (code != cudaSuccess) {
+            status = mc_cuda_fail(code, "cudaStreamSynchronize", err);
+            break;
+        }
+        uint64_t bytes = 0;
+        if (st->pool != NULL) {
+            code = cudaMemPoolGetAttribute(st->pool, cudaMemPoolAttrReservedMemCurrent, &bytes);
+            if (code != cudaSuccess) {
+                status = mc_cuda_fail(code, "cudaMemPoolGetAttribute", err);
+                break;
+            }
+        }
+        reserved[r] = bytes;
+    }
+    free(blocks);
+    mc_backend_destroy(be);
+    return status;
+}

@@ -1,0 +1,153 @@
+/* GEMM-based ops on the CUDA backend: gemm, linear (cuBLAS GEMM + a fused
+ * bias/activation epilogue), activation, and the bias prefill and ReLU
+ * passes that conv2d / conv2d_ex share.
+ *
+ * Row-major to cuBLAS: a row-major [m, n] matrix with row stride ld is the
+ * column-major [n, m] matrix with leading dimension ld, i.e. its transpose.
+ * So C = op(A) op(B) in row-major is C^T = op(B)^T op(A)^T in column-major:
+ * cuBLAS gets (B, A) swapped, m and n swapped, and each keeps its own
+ * transpose flag. */
+#include <limits.h>
+#include <math.h>
+
+#include "cuda_internal.h"
+
+/* ---- kernels ------------------------------------------------------------- */
+
+__device__ __forceinline__ float gelu_erf(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float apply_act(int act, float v) {
+    if (act == MC_ACT_GELU)
+        return gelu_erf(v);
+    if (act == MC_ACT_SILU)
+        return silu(v);
+    return v;
+}
+
+/* y = act(y + bias) over rows x cols (bias may be NULL). One thread per
+ * element, grid-stride over the flattened index (64-bit). */
+__global__ void bias_act_kernel(float *y, int64_t ldy, int64_t rows, int64_t cols,
+                                const float *bias, int act) {
+    const int64_t n = rows * cols;
+    MC_GRID_STRIDE_LOOP(i, n) {
+        int64_t r = i / cols, c = i - r * cols;
+        float *p = y + r * ldy + c;
+        float v = *p;
+        if (bias != NULL)
+            v += bias[c];
+        *p = apply_act(act, v);
+    }
+}
+
+/* y = beta * y + bias, never reading y when beta == 0 (it may hold NaN). */
+__global__ void prefill_bias_kernel(float *y, int64_t ldy, int64_t rows, int64_t cols,
+                                    const float *bias, float beta) {
+    const int64_t n = rows * cols;
+    MC_GRID_STRIDE_LOOP(i, n) {
+        int64_t r = i / cols, c = i - r * cols;
+        float *p = y + r * ldy + c;
+        float b = bias != NULL ? bias[c] : 0.0f;
+        *p = beta != 0.0f ? beta * *p + b : b;
+    }
+}
+
+__global__ void relu_kernel(float *y, int64_t ldy, int64_t rows, int64_t cols) {
+    const int64_t n = rows * cols;
+    MC_GRID_STRIDE_LOOP(i, n) {
+        int64_t r = i / cols, c = i - r * cols;
+        float *p = y + r * ldy + c;
+        float v = *p;
+        *p = v > 0.0f ? v : 0.0f; /* NaN -> 0, as the CPU backend */
+    }
+}
+
+/* ---- host side ----------------------------------------------------------- */
+
+mc_status mc_cuda_prefill_bias(mc_backend *be, float *y, int64_t rows, int64_t cols, int64_t ldy,
+                               const float *bias, float beta, mc_err *err) {
+    if (rows <= 0 || cols <= 0)
+        return MC_OK;
+    prefill_bias_kernel<<<mc_cuda_blocks(rows * cols, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
+                          cuda_st(be)->stream>>>(y, ldy, rows, cols, bias, beta);
+    MC_CUDA_LAUNCHED("prefill_bias_kernel", err);
+    return MC_OK;
+}
+
+mc_status mc_cuda_relu_rows(mc_backend *be, float *y, int64_t rows, int64_t cols, int64_t ldy,
+                            mc_err *err) {
+    if (rows <= 0 || cols <= 0)
+        return MC_OK;
+    relu_kernel<<<mc_cuda_blocks(rows * cols, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
+                  cuda_st(be)->stream>>>(y, ldy, rows, cols);
+    MC_CUDA_LAUNCHED("relu_kernel", err);
+    return MC_OK;
+}
+
+static int fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
+
+mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                        float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                        float beta, float *c, int64_t ldc, mc_err *err) {
+    if (m <= 0 || n <= 0)
+        return MC_OK;
+    if (k <= 0) /* an empty sum: C = beta * C (cuBLAS would reject lda = 0) */
+        return mc_cuda_prefill_bias(be, c, m, n, ldc, NULL, beta, err);
+    if (!fits_int(m) || !fits_int(n) || !fits_int(k) || !fits_int(lda) || !fits_int(ldb) ||
+        !fits_int(ldc))
+        return mc_fail(err, MC_ERR_VALUE,
+                       "cuda gemm: sizes m=%lld n=%lld k=%lld (lda %lld, ldb %lld, ldc %lld) "
+                       "exceed cuBLAS's 32-bit arguments",
+                       (long long)m, (long long)n, (long long)k, (long long)lda, (long long)ldb,
+                       (long long)ldc);
+    cublasHandle_t h = cuda_st(be)->blas;
+    /* C^T[n, m] = op(B)^T op(A)^T: B first, with B's own flag (see the top). */
+    MC_CUBLAS_TRY(cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                               trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m, (int)k, &alpha,
+                               b, CUDA_R_32F, (int)ldb, a, CUDA_R_32F, (int)lda, &beta, c,
+                               CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                  err);
+    return MC_OK;
+}
+
+mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                       float beta, float *c, int64_t ldc, mc_err *err) {
+    MC_TRY(mc_cuda_enter(be, err));
+    return mc_cuda_sgemm(be, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err);
+}
+
+/* y = beta * y + act(x W^T + bias). The GEMM writes (beta = 0) or adds onto
+ * (beta = 1) y; one epilogue pass then adds the bias and applies the
+ * activation. cuBLASLt's GELU epilogue is the tanh approximation, not the
+ * erf form the models use, so the epilogue is ours. */
+mc_status mc_cuda_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                         const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                         float *y, int64_t ldy, mc_err *err) {
+    if (rows == 0 || out == 0)
+        return MC_OK;
+    if (beta != 0.0f && act != MC_ACT_NONE)
+        return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
+    MC_TRY(mc_cuda_enter(be, err));
+    MC_TRY(mc_cuda_sgemm(be, 0, 1, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy, err));
+    if (bias == NULL && act == MC_ACT_NONE)
+        return MC_OK;
+    bias_act_kernel<<<mc_cuda_blocks(rows * out, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
+                      cuda_st(be)->stream>>>(y, ldy, rows, out, bias, (int)act);
+    MC_CUDA_LAUNCHED("bias_act_kernel", err);
+    return MC_OK;
+}
+
+mc_status mc_cuda_activation(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
+                             int64_t dim, mc_err *err) {
+    if (act == MC_ACT_NONE || rows <= 0 || dim <= 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    bias_act_kernel<<<mc_cuda_blocks(rows * dim, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
+                      cuda_st(be)->stream>>>(x, ld, rows, dim, NULL, (int)act);
+    MC_CUDA_LAUNCHED("bias_act_kernel", err);
+    return MC_OK;
+}

@@ -1,0 +1,228 @@
+/* CUDA backend internals, shared by the .cu files of this folder: the
+ * backend state, error helpers that turn CUDA and cuBLAS codes into mc_err
+ * messages naming the call, launch geometry helpers and the op entry points
+ * the table in cuda_backend.cu points to.
+ *
+ * Everything is fp32, row-major, in the backend's stream; ops never
+ * synchronise except upload/download (which hand host memory back). */
+#ifndef MC_CUDA_INTERNAL_H
+#define MC_CUDA_INTERNAL_H
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" {
+#include "../../core/mc_core.h"
+#include "../ops.h"
+}
+
+#include "cuda_backend.h"
+
+/* Grow-only scratch slots for op internals (im2col columns, statistics),
+ * like the CPU backend's mc_cpu_scratch. No op keeps scratch across calls,
+ * but an op may use several slots at once. */
+#define MC_CUDA_SCRATCH_SLOTS 8
+enum {
+    MC_CUDA_SLOT_COLUMNS = 0, /* im2col chunks of conv2d / conv2d_ex */
+    MC_CUDA_SLOT_STATS = 1,   /* groupnorm partial sums, attention_mass row statistics */
+};
+
+typedef struct cuda_state {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    /* Stream-ordered pool with an unbounded release threshold: freed blocks
+     * stay in the pool, so the same sizes allocated again in steady state
+     * never reach cudaMalloc. NULL on a device without memory pools, where
+     * alloc falls back to cudaMalloc / cudaFree. */
+    cudaMemPool_t pool;
+    int naive; /* run the reference kernels (mc_cuda_set_naive) */
+    size_t total_mem; /* the device's global memory, for requests that can never fit */
+    void *scratch[MC_CUDA_SCRATCH_SLOTS];
+    size_t scratch_bytes[MC_CUDA_SCRATCH_SLOTS];
+} cuda_state;
+
+static inline cuda_state *cuda_st(mc_backend *be) { return (cuda_state *)be->impl; }
+
+/* Records a failed CUDA runtime call ("cudaMemcpyAsync: out of memory");
+ * cudaErrorMemoryAllocation maps to MC_ERR_NOMEM (MemoryError), anything
+ * else to MC_ERR_INTERNAL (RuntimeError). Clears the runtime's last error so
+ * a later launch check does not report it again. */
+mc_status mc_cuda_fail(cudaError_t code, const char *call, mc_err *err);
+mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err);
+
+#define MC_CUDA_TRY(call, err)                                 \
+    do {                                                       \
+        cudaError_t mc_cuda_code_ = (call);                    \
+        if (mc_cuda_code_ != cudaSuccess)                      \
+            return mc_cuda_fail(mc_cuda_code_, #call, (err));  \
+    } while (0)
+
+#define MC_CUBLAS_TRY(call, err)                                   \
+    do {                                                           \
+        cublasStatus_t mc_cublas_code_ = (call);                   \
+        if (mc_cublas_code_ != CUBLAS_STATUS_SUCCESS)              \
+            return mc_cublas_fail(mc_cublas_code_, #call, (err));  \
+    } while (0)
+
+/* After every kernel launch: a bad configuration (grid, shared memory) or
+ * an earlier asynchronous fault shows up here. */
+#define MC_CUDA_LAUNCHED(name, err)                                   \
+    do {                                                              \
+        cudaError_t mc_launch_code_ = cudaGetLastError();             \
+        if (mc_launch_code_ != cudaSuccess)                           \
+            return mc_cuda_fail(mc_launch_code_, "launch of " name, (err)); \
+    } while (0)
+
+/* Makes the backend's device current on the calling thread (the binding may
+ * call from any thread). Every op starts with it. */
+mc_status mc_cuda_enter(mc_backend *be, mc_err *err);
+
+/* Scratch of at least `bytes` in slot `slot` (grow-only; the old block is
+ * freed in stream order, after the kernels that used it). */
+void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err);
+
+/* ---- launch geometry ---------------------------------------------------- */
+
+#define MC_CUDA_THREADS 256
+/* Grid-stride loops cover any element count with at most this many blocks
+ * (far below the 2^31 - 1 limit of gridDim.x; 2^16 blocks of 256 threads
+ * keep every SM of the largest parts busy). */
+#define MC_CUDA_MAX_BLOCKS 65536
+
+static inline unsigned mc_cuda_blocks(int64_t n, int threads) {
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1)
+        b = 1;
+    return (unsigned)(b < MC_CUDA_MAX_BLOCKS ? b : MC_CUDA_MAX_BLOCKS);
+}
+
+/* 64-bit grid-stride index: i runs over [0, n). */
+#define MC_GRID_STRIDE_LOOP(i, n)                                                \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);    \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+/* ---- warp and block reductions ----------------------------------------- */
+
+template <typename T> __device__ __forceinline__ T mc_warp_sum(T v) {
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float mc_warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+/* Sum over the whole block (blockDim.x a multiple of 32, at most 1024);
+ * every thread gets the total. `shared` holds 32 values. The order of the
+ * additions depends only on blockDim, so results are reproducible. Ends with
+ * a barrier so `shared` may be reused at once. */
+template <typename T> __device__ T mc_block_sum(T v, T *shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = mc_warp_sum(v);
+    if (lane == 0)
+        shared[warp] = v;
+    __syncthreads();
+    T total = lane < warps ? shared[lane] : (T)0;
+    total = mc_warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
+/* ---- cuBLAS ------------------------------------------------------------- */
+
+/* Row-major C[m,n] = alpha op(A) op(B) + beta C on the backend's handle
+ * (fp32 compute, no TF32). beta == 0 never reads C. k == 0 scales C. */
+mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                        float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                        float beta, float *c, int64_t ldc, mc_err *err);
+
+/* y[r, :cols] = beta * y + bias (beta == 0: y = bias, y never read);
+ * bias NULL and beta 0: y = 0. */
+mc_status mc_cuda_prefill_bias(mc_backend *be, float *y, int64_t rows, int64_t cols, int64_t ldy,
+                               const float *bias, float beta, mc_err *err);
+
+/* y = max(y, 0) over rows x cols (NaN -> 0, as the CPU's y > 0 ? y : 0). */
+mc_status mc_cuda_relu_rows(mc_backend *be, float *y, int64_t rows, int64_t cols, int64_t ldy,
+                            mc_err *err);
+
+/* ---- the op table entries (one file per family) -------------------------- */
+
+mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                       float beta, float *c, int64_t ldc, mc_err *err);
+mc_status mc_cuda_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                         const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                         float *y, int64_t ldy, mc_err *err);
+mc_status mc_cuda_activation(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
+                             int64_t dim, mc_err *err);
+
+mc_status mc_cuda_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
+                            const float *w, const float *b, float eps, const float *shift,
+                            const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err);
+mc_status mc_cuda_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim,
+                           const float *v, int64_t ldv, int64_t period, mc_err *err);
+mc_status mc_cuda_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
+                            const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err);
+mc_status mc_cuda_gather_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
+mc_status mc_cuda_scatter_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
+                               int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
+mc_status mc_cuda_cfg_combine(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,
+                              int64_t ldu, int64_t rows, int channels, float scale, float *out,
+                              int64_t ldo, mc_err *err);
+mc_status mc_cuda_ddpm_step(mc_backend *be, float *x, int64_t rows, int channels, const float *eps,
+                            int64_t ld_eps, const float *v, int64_t ld_v, const float *noise,
+                            const mc_ddpm_coefs *coefs, mc_err *err);
+mc_status mc_cuda_token_normals(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
+                                const uint32_t *image, const uint32_t *position, int64_t rows,
+                                int channels, float *out, mc_err *err);
+mc_status mc_cuda_axpby(mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y,
+                        int64_t ldy, int64_t rows, int64_t cols, mc_err *err);
+mc_status mc_cuda_cosine_rows(mc_backend *be, const float *a, int64_t lda, const float *b,
+                              int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
+                              mc_err *err);
+
+mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
+                            float scale, const float *q, int64_t ldq, int64_t q_bstride,
+                            const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
+                            int64_t o_bstride, mc_err *err);
+mc_status mc_cuda_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int heads,
+                                 int head_dim, float scale, const float *q, int64_t ldq,
+                                 int64_t q_bstride, const float *k, int64_t ldk, int64_t k_bstride,
+                                 int64_t keys, float *out, mc_err *err);
+
+mc_status mc_cuda_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_t hw,
+                            int64_t channels, int groups, const float *w, const float *b, float eps,
+                            int swish, float *y, mc_err *err);
+mc_status mc_cuda_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                         int64_t width, int64_t cin, const float *w, const float *bias,
+                         int64_t cout, int ksize, float beta, float *y, mc_err *err);
+mc_status mc_cuda_upsample_nearest2x(mc_backend *be, const float *x, int64_t batch, int64_t height,
+                                     int64_t width, int64_t channels, float *y, mc_err *err);
+mc_status mc_cuda_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
+                            int64_t ldx, const float *w, const float *bias, int64_t cout,
+                            float beta, int relu, float *y, int64_t ldy, mc_err *err);
+
+mc_status mc_cuda_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x,
+                             int64_t channels, int64_t ldx, int count_include_pad, float *y,
+                             int64_t ldy, mc_err *err);
+mc_status mc_cuda_max_pool2d(mc_backend *be, const mc_window2d *g, const float *x,
+                             int64_t channels, int64_t ldx, float *y, int64_t ldy, mc_err *err);
+mc_status mc_cuda_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_type type,
+                                      int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
+                                      int64_t out_h, int64_t out_w, int normalize, float *y,
+                                      mc_err *err);
+
+/* Geometry checks shared by conv2d_ex and the pools (same messages as the
+ * CPU backend's). */
+mc_status mc_cuda_check_window(const char *op, const mc_window2d *g, int pool, mc_err *err);
+mc_status mc_cuda_check_strides(const char *op, int64_t cin, int64_t ldx, int64_t cout,
+                                int64_t ldy, mc_err *err);
+
+#endif

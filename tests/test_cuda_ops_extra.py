@@ -1,0 +1,104 @@
+"""CUDA-specific behaviour that the table-driven op test (test_ops.py, which
+already runs every case on "cuda" when a GPU is present) does not cover:
+
+- the reference kernels: every attention, conv2d and conv2d_ex case of
+  test_ops.py again with naive=True (the plain two-pass attention and the
+  plain-loop convolutions the fast kernels are checked beside);
+- head dims the MAR models do not use but the flash kernel must handle
+  (generic path <= 128) and the naive fallback above 128;
+- the flash kernel against the naive kernel on the same inputs;
+- the memory pool: repeated allocations of the same sizes stop growing it,
+  and an impossible allocation is a MemoryError naming its size.
+
+Everything skips without a usable GPU (marcache._C.backends() lacks "cuda").
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+from marcache import _C
+from test_ops import CASES, attention_builder, relative_error
+
+pytestmark = pytest.mark.skipif("cuda" not in _C.backends(),
+                                reason="no usable CUDA device (marcache._C.backends() == %r)"
+                                % (_C.backends(),))
+
+NAIVE_OPS = ("attention", "conv2d", "conv2d_ex")
+NAIVE_CASES = [c for c in CASES if c.op in NAIVE_OPS]
+
+
+def run_case(case, extra_params=None, backend="cuda"):
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    inputs, params = case.build(rng)
+    params = dict(params, **(extra_params or {}))
+    got = _C.run_op(backend, case.op, inputs, params)
+    want = np.asarray(case.reference(inputs, params))
+    return got, want
+
+
+@pytest.mark.parametrize("case", NAIVE_CASES, ids=[c.id for c in NAIVE_CASES])
+def test_naive_kernels_match_reference(case):
+    got, want = run_case(case, {"naive": True})
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    err = relative_error(got, want)
+    assert err <= case.tol, "naive %s: max |got - ref| / max |ref| = %.3g" % (case.id, err)
+
+
+class _Case:
+    def __init__(self, op, name, build, reference, tol=1e-5):
+        self.op, self.id, self.build, self.reference, self.tol = op, name, build, reference, tol
+
+
+def _attention_case(name, *args, **kw):
+    from test_ops import ref_attention
+    return _Case("attention", name, attention_builder(*args, **kw), ref_attention)
+
+
+HEAD_DIM_CASES = [
+    _attention_case("hd32-generic", 2, 17, 3, 32, [33, 5]),
+    _attention_case("hd8-generic", 1, 5, 2, 8, [7]),
+    _attention_case("hd1-generic", 1, 3, 4, 1, [9]),
+    _attention_case("hd96-generic", 1, 9, 2, 96, [40]),
+    _attention_case("hd128-generic", 2, 20, 2, 128, [31, 2]),
+    _attention_case("hd160-naive-fallback", 1, 6, 1, 160, [17]),
+    _attention_case("hd512-vae-naive-fallback", 1, 16, 1, 512, [16]),
+    _attention_case("hd64-q1-many-tiles", 1, 1, 2, 64, [100, 0, 65]),
+    _attention_case("hd80-q37-fused", 2, 37, 2, 80, None, layout="fused"),
+]
+
+
+@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=[c.id for c in HEAD_DIM_CASES])
+def test_attention_head_dims(case):
+    got, want = run_case(case)
+    err = relative_error(got, want)
+    assert err <= case.tol, "%s: %.3g" % (case.id, err)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.op == "attention"],
+                         ids=[c.id for c in CASES if c.op == "attention"])
+def test_flash_equals_naive(case):
+    # Both are fp32 with different summation orders (sequential vs block
+    # reductions, online vs two-pass softmax): they agree to the case's
+    # tolerance against float64, not bit for bit.
+    fast, _ = run_case(case)
+    naive, _ = run_case(case, {"naive": True})
+    assert relative_error(fast, naive.astype(np.float64)) <= case.tol
+
+
+def test_pool_reuses_memory():
+    sizes = [4, 1000, 1 << 20, 12345, 3 << 20, 1 << 20]
+    reserved = _C._cuda_pool_probe(sizes, 6)
+    assert reserved[0] >= sum(sizes) or reserved[0] == 0  # 0: a device without pools
+    assert reserved[1:] == reserved[:-1], "the pool grew in steady state: %r" % (reserved,)
+
+
+def test_out_of_memory_is_memory_error_naming_the_size():
+    huge = 1 << 50  # 1 PiB
+    with pytest.raises(MemoryError, match=str(huge)):
+        _C._cuda_pool_probe([huge], 1)
+    # The backend is usable afterwards: the failed allocation left no sticky error.
+    assert _C._cuda_pool_probe([1024], 2)
+    case = next(c for c in CASES if c.op == "gemm")
+    got, want = run_case(case)
+    assert relative_error(got, want) <= case.tol
