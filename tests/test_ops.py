@@ -20,8 +20,7 @@ column slices of wider buffers (a q slice of a fused qkv, eps and v halves of
 one model output, a KV cache with room to spare); the binding passes the
 view's strides as ld / batch stride.
 
-Ops the backend leaves NULL (PENDING_OPS, being written now) skip with the
-backend's NotImplementedError; they run as soon as the table entry is filled.
+Every backend fills every entry of the table: an op a backend lacks fails here.
 """
 import zlib
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ F32 = np.float32
 
 # Ops whose CPU table entries are still NULL; a NotImplementedError from any
 # other op is a failure.
-PENDING_OPS = frozenset({"groupnorm", "conv2d", "upsample_nearest2x"})
 
 
 # --------------------------------------------------------------------------
@@ -805,12 +803,7 @@ def test_op(backend, case):
     rng = np.random.default_rng(zlib.crc32(case.id.encode()))
     inputs, params = case.build(rng)
     snapshot = [None if a is None else a.copy() for a in inputs]
-    try:
-        got = _C.run_op(backend, case.op, inputs, params)
-    except NotImplementedError as exc:
-        if case.op in PENDING_OPS:
-            pytest.skip("pending op: %s (runs once the backend fills the table entry)" % exc)
-        raise
+    got = _C.run_op(backend, case.op, inputs, params)
     for before, after in zip(snapshot, inputs):
         assert before is None or np.array_equal(before, after, equal_nan=True), "run_op modified an input"
     want = np.asarray(case.reference(inputs, params))
@@ -942,14 +935,3 @@ def test_run_op_rejects_bad_calls(backend_name, op, inputs, params, exc, fragmen
     with pytest.raises(exc) as info:
         _C.run_op(backend_name, op, inputs, params)
     assert fragment in str(info.value)
-
-
-@pytest.mark.parametrize("op", sorted(PENDING_OPS))
-def test_null_entry_raises_not_implemented(op):
-    """A NULL table entry is an error the caller can catch, never a crash."""
-    try:
-        _C.run_op("cpu", op, (), {})
-    except NotImplementedError as exc:
-        assert str(exc) == "op %s is not implemented on backend cpu" % op
-    except ValueError:
-        pass  # the entry is filled: the empty call is then rejected as malformed
