@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "../op_checks.h"
 
 /* Below this many elements an op runs on one thread: waking the team costs
  * more than the work (same threshold as cpu_dense.c). */
@@ -74,10 +75,7 @@ static inline float swish_vectorizable(float x) { return x / (1.0f + exp_vectori
 mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_t hw,
                            int64_t channels, int groups, const float *w, const float *b, float eps,
                            int swish, float *y, mc_err *err) {
-    if (groups <= 0 || channels <= 0 || channels % groups != 0)
-        return mc_fail(err, MC_ERR_INTERNAL,
-                       "groupnorm: %lld channels do not split into %d groups",
-                       (long long)channels, groups);
+    MC_TRY(mc_check_groups(channels, groups, err));
     if (batch <= 0 || hw <= 0)
         return MC_OK;
     const int64_t per_group = channels / groups;

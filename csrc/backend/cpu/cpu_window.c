@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "../op_checks.h"
 
 /* Below this many output elements an op runs on one thread. */
 #define MC_WIN_PARALLEL_MIN_ELEMS 32768
@@ -31,48 +32,14 @@
  * attention use; no op keeps scratch across calls). */
 #define MC_WIN_MAX_THREADS 62
 
-/* -------------------------------------------------------------- checks */
-
-static mc_status check_window(const char *op, const mc_window2d *g, int pool, mc_err *err) {
-    if (g->batch < 0 || g->height <= 0 || g->width <= 0)
-        return mc_fail(err, MC_ERR_VALUE, "%s: bad input size [%lld, %lld, %lld]", op,
-                       (long long)g->batch, (long long)g->height, (long long)g->width);
-    if (g->kh <= 0 || g->kw <= 0 || g->stride_h <= 0 || g->stride_w <= 0 || g->pad_h < 0 ||
-        g->pad_w < 0)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: bad window %dx%d, stride %dx%d, padding %dx%d (sizes and strides must "
-                       "be positive, padding non-negative)",
-                       op, g->kh, g->kw, g->stride_h, g->stride_w, g->pad_h, g->pad_w);
-    if (pool && (g->pad_h > g->kh / 2 || g->pad_w > g->kw / 2))
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: padding %dx%d exceeds half the %dx%d window (PyTorch's rule: every "
-                       "window must overlap the image)",
-                       op, g->pad_h, g->pad_w, g->kh, g->kw);
-    if (g->height + 2 * (int64_t)g->pad_h < g->kh || g->width + 2 * (int64_t)g->pad_w < g->kw)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: the %dx%d window does not fit the %lldx%lld input padded by %dx%d", op,
-                       g->kh, g->kw, (long long)g->height, (long long)g->width, g->pad_h, g->pad_w);
-    return MC_OK;
-}
-
-static mc_status check_strides(const char *op, int64_t cin, int64_t ldx, int64_t cout, int64_t ldy,
-                               mc_err *err) {
-    if (cin <= 0 || cout <= 0 || ldx < cin || ldy < cout)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: channels in %lld (pixel stride %lld), out %lld (pixel stride %lld): "
-                       "channels must be positive and strides at least the channels",
-                       op, (long long)cin, (long long)ldx, (long long)cout, (long long)ldy);
-    return MC_OK;
-}
-
 /* --------------------------------------------------------------- conv2d_ex */
 
 mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
                                  int64_t ldx, const float *w, const float *bias, int64_t cout,
                                  float beta, int relu, float *y, int64_t ldy, mc_err *err) {
     (void)be;
-    MC_TRY(check_window("conv2d_ex", g, 0, err));
-    MC_TRY(check_strides("conv2d_ex", cin, ldx, cout, ldy, err));
+    MC_TRY(mc_check_window("conv2d_ex", g, 0, err));
+    MC_TRY(mc_check_pixel_strides("conv2d_ex", cin, ldx, cout, ldy, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     for (int64_t n = 0; n < g->batch; n++)
         for (int64_t oy = 0; oy < oh; oy++)
@@ -152,8 +119,8 @@ static void im2col_window(const mc_window2d *g, const float *x, int64_t cin, int
 mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
                            int64_t ldx, const float *w, const float *bias, int64_t cout, float beta,
                            int relu, float *y, int64_t ldy, mc_err *err) {
-    MC_TRY(check_window("conv2d_ex", g, 0, err));
-    MC_TRY(check_strides("conv2d_ex", cin, ldx, cout, ldy, err));
+    MC_TRY(mc_check_window("conv2d_ex", g, 0, err));
+    MC_TRY(mc_check_pixel_strides("conv2d_ex", cin, ldx, cout, ldy, err));
     if (g->batch == 0)
         return MC_OK;
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
@@ -248,8 +215,8 @@ static void window_span(const mc_window2d *g, int64_t oy, int64_t ox, int64_t *y
 mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
                             int64_t ldx, int count_include_pad, float *y, int64_t ldy,
                             mc_err *err) {
-    MC_TRY(check_window("avg_pool2d", g, 1, err));
-    MC_TRY(check_strides("avg_pool2d", channels, ldx, channels, ldy, err));
+    MC_TRY(mc_check_window("avg_pool2d", g, 1, err));
+    MC_TRY(mc_check_pixel_strides("avg_pool2d", channels, ldx, channels, ldy, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     const int64_t rows = g->batch * oh;
 #pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) \
@@ -281,8 +248,8 @@ mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x
 
 mc_status mc_cpu_max_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
                             int64_t ldx, float *y, int64_t ldy, mc_err *err) {
-    MC_TRY(check_window("max_pool2d", g, 1, err));
-    MC_TRY(check_strides("max_pool2d", channels, ldx, channels, ldy, err));
+    MC_TRY(mc_check_window("max_pool2d", g, 1, err));
+    MC_TRY(mc_check_pixel_strides("max_pool2d", channels, ldx, channels, ldy, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     const int64_t rows = g->batch * oh;
 #pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) \
@@ -331,14 +298,7 @@ mc_status mc_cpu_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_typ
                                      int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
                                      int64_t out_h, int64_t out_w, int normalize, float *y,
                                      mc_err *err) {
-    if (type != MC_PIXEL_F32 && type != MC_PIXEL_U8)
-        return mc_fail(err, MC_ERR_VALUE, "resize_bilinear_tf1: unknown pixel type %d", (int)type);
-    if (batch < 0 || in_h <= 0 || in_w <= 0 || channels <= 0 || out_h <= 0 || out_w <= 0)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "resize_bilinear_tf1: bad sizes: batch %lld, input %lldx%lld, %lld "
-                       "channels, output %lldx%lld",
-                       (long long)batch, (long long)in_h, (long long)in_w, (long long)channels,
-                       (long long)out_h, (long long)out_w);
+    MC_TRY(mc_check_resize(type, batch, in_h, in_w, channels, out_h, out_w, err));
     if (batch == 0)
         return MC_OK;
     int threads = mc_cpu_threads(be);

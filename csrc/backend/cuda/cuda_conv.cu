@@ -22,40 +22,6 @@
 /* cuBLAS takes 32-bit sizes; pointwise GEMMs are split below this. */
 #define CONV_GEMM_ROWS_MAX ((int64_t)1 << 30)
 
-/* ---- checks (the CPU backend's rules and messages) ------------------------ */
-
-mc_status mc_cuda_check_window(const char *op, const mc_window2d *g, int pool, mc_err *err) {
-    if (g->batch < 0 || g->height <= 0 || g->width <= 0)
-        return mc_fail(err, MC_ERR_VALUE, "%s: bad input size [%lld, %lld, %lld]", op,
-                       (long long)g->batch, (long long)g->height, (long long)g->width);
-    if (g->kh <= 0 || g->kw <= 0 || g->stride_h <= 0 || g->stride_w <= 0 || g->pad_h < 0 ||
-        g->pad_w < 0)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: bad window %dx%d, stride %dx%d, padding %dx%d (sizes and strides must "
-                       "be positive, padding non-negative)",
-                       op, g->kh, g->kw, g->stride_h, g->stride_w, g->pad_h, g->pad_w);
-    if (pool && (g->pad_h > g->kh / 2 || g->pad_w > g->kw / 2))
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: padding %dx%d exceeds half the %dx%d window (PyTorch's rule: every "
-                       "window must overlap the image)",
-                       op, g->pad_h, g->pad_w, g->kh, g->kw);
-    if (g->height + 2 * (int64_t)g->pad_h < g->kh || g->width + 2 * (int64_t)g->pad_w < g->kw)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: the %dx%d window does not fit the %lldx%lld input padded by %dx%d", op,
-                       g->kh, g->kw, (long long)g->height, (long long)g->width, g->pad_h, g->pad_w);
-    return MC_OK;
-}
-
-mc_status mc_cuda_check_strides(const char *op, int64_t cin, int64_t ldx, int64_t cout,
-                                int64_t ldy, mc_err *err) {
-    if (cin <= 0 || cout <= 0 || ldx < cin || ldy < cout)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "%s: channels in %lld (pixel stride %lld), out %lld (pixel stride %lld): "
-                       "channels must be positive and strides at least the channels",
-                       op, (long long)cin, (long long)ldx, (long long)cout, (long long)ldy);
-    return MC_OK;
-}
-
 /* ---- groupnorm ------------------------------------------------------------
  *
  * Statistics per (image, group) over hw x channels/groups elements, in
@@ -129,10 +95,7 @@ __global__ void gn_apply_kernel(const float *x, int64_t batch, int64_t hw, int64
 mc_status mc_cuda_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_t hw,
                             int64_t channels, int groups, const float *w, const float *b, float eps,
                             int swish, float *y, mc_err *err) {
-    if (groups <= 0 || channels <= 0 || channels % groups != 0)
-        return mc_fail(err, MC_ERR_INTERNAL,
-                       "groupnorm: %lld channels do not split into %d groups",
-                       (long long)channels, groups);
+    MC_TRY(mc_check_groups(channels, groups, err));
     if (batch <= 0 || hw <= 0)
         return MC_OK;
     MC_TRY(mc_cuda_enter(be, err));
@@ -296,8 +259,8 @@ static mc_status conv_window(mc_backend *be, const mc_window2d *g, const float *
 mc_status mc_cuda_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
                             int64_t ldx, const float *w, const float *bias, int64_t cout,
                             float beta, int relu, float *y, int64_t ldy, mc_err *err) {
-    MC_TRY(mc_cuda_check_window("conv2d_ex", g, 0, err));
-    MC_TRY(mc_cuda_check_strides("conv2d_ex", cin, ldx, cout, ldy, err));
+    MC_TRY(mc_check_window("conv2d_ex", g, 0, err));
+    MC_TRY(mc_check_pixel_strides("conv2d_ex", cin, ldx, cout, ldy, err));
     return conv_window(be, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err);
 }
 

@@ -15,6 +15,7 @@
 extern "C" {
 #include "../../core/mc_core.h"
 #include "../ops.h"
+#include "../op_checks.h" /* argument checks shared with the CPU backend */
 }
 
 #include "cuda_backend.h"
@@ -218,11 +219,5 @@ mc_status mc_cuda_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_ty
                                       int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
                                       int64_t out_h, int64_t out_w, int normalize, float *y,
                                       mc_err *err);
-
-/* Geometry checks shared by conv2d_ex and the pools (same messages as the
- * CPU backend's). */
-mc_status mc_cuda_check_window(const char *op, const mc_window2d *g, int pool, mc_err *err);
-mc_status mc_cuda_check_strides(const char *op, int64_t cin, int64_t ldx, int64_t cout,
-                                int64_t ldy, mc_err *err);
 
 #endif

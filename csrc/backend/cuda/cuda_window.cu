@@ -60,8 +60,8 @@ __global__ void pool_kernel(const float *x, int64_t batch, int64_t height, int64
 static mc_status pool(mc_backend *be, const char *op, const mc_window2d *g, const float *x,
                       int64_t channels, int64_t ldx, int is_avg, int count_include_pad, float *y,
                       int64_t ldy, mc_err *err) {
-    MC_TRY(mc_cuda_check_window(op, g, 1, err));
-    MC_TRY(mc_cuda_check_strides(op, channels, ldx, channels, ldy, err));
+    MC_TRY(mc_check_window(op, g, 1, err));
+    MC_TRY(mc_check_pixel_strides(op, channels, ldx, channels, ldy, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     const int64_t n = g->batch * oh * ow * channels;
     if (n <= 0)
@@ -136,14 +136,7 @@ mc_status mc_cuda_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_ty
                                       int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
                                       int64_t out_h, int64_t out_w, int normalize, float *y,
                                       mc_err *err) {
-    if (type != MC_PIXEL_F32 && type != MC_PIXEL_U8)
-        return mc_fail(err, MC_ERR_VALUE, "resize_bilinear_tf1: unknown pixel type %d", (int)type);
-    if (batch < 0 || in_h <= 0 || in_w <= 0 || channels <= 0 || out_h <= 0 || out_w <= 0)
-        return mc_fail(err, MC_ERR_VALUE,
-                       "resize_bilinear_tf1: bad sizes: batch %lld, input %lldx%lld, %lld "
-                       "channels, output %lldx%lld",
-                       (long long)batch, (long long)in_h, (long long)in_w, (long long)channels,
-                       (long long)out_h, (long long)out_w);
+    MC_TRY(mc_check_resize(type, batch, in_h, in_w, channels, out_h, out_w, err));
     if (batch == 0)
         return MC_OK;
     MC_TRY(mc_cuda_enter(be, err));

@@ -1,0 +1,53 @@
+#include "op_checks.h"
+
+mc_status mc_check_window(const char *op, const mc_window2d *g, int pool, mc_err *err) {
+    if (g->batch < 0 || g->height <= 0 || g->width <= 0)
+        return mc_fail(err, MC_ERR_VALUE, "%s: bad input size [%lld, %lld, %lld]", op,
+                       (long long)g->batch, (long long)g->height, (long long)g->width);
+    if (g->kh <= 0 || g->kw <= 0 || g->stride_h <= 0 || g->stride_w <= 0 || g->pad_h < 0 ||
+        g->pad_w < 0)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: bad window %dx%d, stride %dx%d, padding %dx%d (sizes and strides must "
+                       "be positive, padding non-negative)",
+                       op, g->kh, g->kw, g->stride_h, g->stride_w, g->pad_h, g->pad_w);
+    if (pool && (g->pad_h > g->kh / 2 || g->pad_w > g->kw / 2))
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: padding %dx%d exceeds half the %dx%d window (PyTorch's rule: every "
+                       "window must overlap the image)",
+                       op, g->pad_h, g->pad_w, g->kh, g->kw);
+    if (g->height + 2 * (int64_t)g->pad_h < g->kh || g->width + 2 * (int64_t)g->pad_w < g->kw)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: the %dx%d window does not fit the %lldx%lld input padded by %dx%d", op,
+                       g->kh, g->kw, (long long)g->height, (long long)g->width, g->pad_h, g->pad_w);
+    return MC_OK;
+}
+
+mc_status mc_check_pixel_strides(const char *op, int64_t cin, int64_t ldx, int64_t cout, int64_t ldy,
+                                 mc_err *err) {
+    if (cin <= 0 || cout <= 0 || ldx < cin || ldy < cout)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: channels in %lld (pixel stride %lld), out %lld (pixel stride %lld): "
+                       "channels must be positive and strides at least the channels",
+                       op, (long long)cin, (long long)ldx, (long long)cout, (long long)ldy);
+    return MC_OK;
+}
+
+mc_status mc_check_groups(int64_t channels, int groups, mc_err *err) {
+    if (groups <= 0 || channels <= 0 || channels % groups != 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "groupnorm: %lld channels do not split into %d groups",
+                       (long long)channels, groups);
+    return MC_OK;
+}
+
+mc_status mc_check_resize(mc_pixel_type type, int64_t batch, int64_t in_h, int64_t in_w,
+                          int64_t channels, int64_t out_h, int64_t out_w, mc_err *err) {
+    if (type != MC_PIXEL_F32 && type != MC_PIXEL_U8)
+        return mc_fail(err, MC_ERR_VALUE, "resize_bilinear_tf1: unknown pixel type %d", (int)type);
+    if (batch < 0 || in_h <= 0 || in_w <= 0 || channels <= 0 || out_h <= 0 || out_w <= 0)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "resize_bilinear_tf1: bad sizes: batch %lld, input %lldx%lld, %lld "
+                       "channels, output %lldx%lld",
+                       (long long)batch, (long long)in_h, (long long)in_w, (long long)channels,
+                       (long long)out_h, (long long)out_w);
+    return MC_OK;
+}

@@ -1,0 +1,27 @@
+/* Argument checks every backend applies before an op runs, in one place so the
+ * CPU and CUDA backends refuse the same calls with the same messages. Plain C;
+ * the CUDA sources include it inside extern "C" (see cuda_internal.h). */
+#ifndef MC_OP_CHECKS_H
+#define MC_OP_CHECKS_H
+
+#include <stdint.h>
+
+#include "../core/mc_core.h"
+#include "ops.h"
+
+/* Window geometry of conv2d_ex (pool = 0) and the pools (pool = 1: padding at
+ * most half the window, PyTorch's rule). */
+mc_status mc_check_window(const char *op, const mc_window2d *g, int pool, mc_err *err);
+
+/* Channel counts positive, pixel strides at least the channels. */
+mc_status mc_check_pixel_strides(const char *op, int64_t cin, int64_t ldx, int64_t cout, int64_t ldy,
+                                 mc_err *err);
+
+/* groupnorm: channels split evenly into groups. */
+mc_status mc_check_groups(int64_t channels, int groups, mc_err *err);
+
+/* resize_bilinear_tf1: a known pixel type and positive sizes (batch may be 0). */
+mc_status mc_check_resize(mc_pixel_type type, int64_t batch, int64_t in_h, int64_t in_w,
+                          int64_t channels, int64_t out_h, int64_t out_w, mc_err *err);
+
+#endif
