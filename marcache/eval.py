@@ -115,13 +115,17 @@ class InceptionV3:
         self.path = path
 
     @classmethod
-    def load(cls, path, threads=0, chunk=8):
+    def load(cls, path, threads=0, chunk=8, device="cpu"):
         """path: safetensors file. threads: OpenMP threads (0 = all).
-        chunk: images per forward pass inside C (about 13 MB of activations per image)."""
+        chunk: images per forward pass inside C (about 13 MB of activations per image).
+        device: "cpu", "auto" or "cuda[:N]", as marcache.load."""
+        from .model import _resolve_device
+
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Inception weights not found: {path}")
-        return cls(_C.Inception(path, num_threads=int(threads), chunk=int(chunk)), path)
+        device = _resolve_device(device)
+        return cls(_C.Inception(path, num_threads=int(threads), chunk=int(chunk), device=device), path)
 
     feature_dim = property(lambda self: self._net.feature_dim)
     num_classes = property(lambda self: self._net.num_classes)

@@ -19,27 +19,32 @@ def _check_path(path, what):
     return path
 
 
-# Backends the models (MAR, VAE, Inception) run on. The CUDA backend's op table is
-# built and tested op by op (run_op), but the models are not yet wired to it (issue #8,
-# phase B): until they are, "auto" means the CPU and "cuda" is refused, never silently
-# run on the CPU.
-_MODEL_BACKENDS = ("cpu",)
+# Backends the models (MAR, VAE, Inception) run on. "guard" is the CPU backend over
+# memory the host cannot touch between ops: a test device that proves the model and
+# cache code keep host and device memory apart (see csrc/backend/guard/).
+_MODEL_BACKENDS = ("cpu", "cuda", "guard")
 
 
 def _resolve_device(device):
+    """The backend name for _C ("cpu", "guard", "cuda:N") of a user's device argument."""
     backends = _C.backends() if hasattr(_C, "backends") else ["cpu"]
-    if device in ("cpu", "auto"):
-        if device == "auto" and "cuda" in backends and "cuda" in _MODEL_BACKENDS:
-            return "cuda"
-        return "cpu"
-    if isinstance(device, str) and device.startswith("cuda"):
-        if "cuda" not in backends:
-            raise ValueError(f"device={device!r}: this build of marcache has no usable CUDA backend "
-                             f"(available: {backends}); use device='cpu' or 'auto'")
-        if "cuda" not in _MODEL_BACKENDS:
-            raise ValueError(f"device={device!r}: the CUDA backend's ops are built, but models do not run on "
-                             f"it yet in this version; use device='cpu'")
+    if device == "auto":
+        return "cuda:0" if "cuda" in backends else "cpu"
+    if device in ("cpu", "guard"):
         return device
+    if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
+        index = device[5:] if device != "cuda" else "0"
+        if not index.isdigit():
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}")
+        if "cuda" not in backends:
+            build = _C.build_info()
+            why = ("this build of marcache has no CUDA backend (rebuild with MARCACHE_CUDA=1 where nvcc is "
+                   "installed)" if not build.get("cuda") else "no CUDA device is visible")
+            raise ValueError(f"device={device!r}: {why}; use device='cpu' or 'auto'")
+        count = int(_C.build_info().get("cuda_devices", 0))
+        if int(index) >= count:
+            raise ValueError(f"device={device!r}: {count} CUDA device{'s' if count != 1 else ''} found")
+        return f"cuda:{int(index)}"
     raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}")
 
 
@@ -143,7 +148,7 @@ class MARModel:
         c = self._mar.config
         return (f"MARModel(width={c['width']}, depth={c['depth']}+{c['decoder_depth']}, heads={c['heads']}, "
                 f"head={c['head_depth']}x{c['head_width']}, params={self.num_params:,}, "
-                f"decoder={self._decoder_name()}, device={self.device!r})")
+                f"decoder={self._decoder_name()}, device={self.device!r}, dtype={self.dtype!r})")
 
     def _decoder_name(self):
         if isinstance(self._vae, PixelDecoder):
@@ -330,9 +335,14 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     MAR file passed as vae=, is refused with a ValueError. Files without that
     metadata are recognised from their tensor names.
 
-    device: "cpu", "auto" (CUDA when built and present, else CPU) or "cuda[:N]".
-    dtype: compute dtype; the CPU backend computes in "fp32" (weights stored as F16/BF16 are
-    converted once at load).
+    device: "cpu", "auto" (CUDA device 0 when built and present, else CPU) or "cuda[:N]".
+      The MAR model and the VAE are uploaded once to that device.
+    dtype: the type of the weights of every Linear layer of the MAR model, "fp32", "bf16" or
+      "fp16". With a 16-bit type each Linear runs as PyTorch's autocast does: its input is
+      rounded to the 16-bit type and products are summed in float32; everything else
+      (norms, attention, the head's DDPM update, the VAE) stays float32. On the GPU this uses
+      the tensor cores; on the CPU it is an emulation (slower than fp32) that shows the
+      numeric effect of 16-bit weights.
     heads: attention heads, only for non-standard widths (the released 768/1024/1280 configs are known).
     """
     path = _check_path(path, "MAR model")
@@ -340,8 +350,6 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     device = _resolve_device(device)
     if dtype not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16', got {dtype!r}")
-    if device == "cpu" and dtype != "fp32":
-        raise ValueError(f"the CPU backend computes in fp32; dtype={dtype!r} needs device='cuda'")
     if heads is not None and (not isinstance(heads, int) or heads < 1):
         raise ValueError(f"heads must be a positive integer, got {heads!r}")
     if not isinstance(diffusion_steps, int) or not 1 <= diffusion_steps <= 1000:
@@ -356,9 +364,10 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     if decoder == "pixels" and vae_path is not None:
         raise ValueError(f"{path} is a pixel-token model (metadata decoder='pixels'): it decodes without a VAE, "
                          f"do not pass vae=")
-    mar = _C.MAR(path, heads=heads or 0, diffusion_steps=diffusion_steps, threads=int(threads))
+    mar = _C.MAR(path, heads=heads or 0, diffusion_steps=diffusion_steps, threads=int(threads), device=device,
+                 dtype=dtype)
     if decoder == "pixels":
         vae_obj = PixelDecoder.from_metadata(metadata, dict(mar.config), path)
     else:
-        vae_obj = _C.VAE(vae_path) if vae_path is not None else None
+        vae_obj = _C.VAE(vae_path, device=device) if vae_path is not None else None
     return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)

@@ -10,6 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import marcache as mc
+from marcache import _C
 from mar_fixtures import write_tiny_mar
 
 
@@ -114,10 +115,13 @@ def test_bad_generate_arguments(model, kwargs, match):
 def test_bad_load_arguments(tiny_path):
     with pytest.raises(ValueError, match="device must be"):
         mc.load(tiny_path, device="tpu")
-    with pytest.raises(ValueError, match="no usable CUDA backend"):
-        mc.load(tiny_path, device="cuda")
-    with pytest.raises(ValueError, match="computes in fp32"):
-        mc.load(tiny_path, dtype="bf16")
+    if "cuda" not in _C.backends():
+        with pytest.raises(ValueError, match="no CUDA backend|no CUDA device"):
+            mc.load(tiny_path, device="cuda")
+    with pytest.raises(ValueError, match="dtype must be"):
+        mc.load(tiny_path, dtype="int8")
+    with pytest.raises(ValueError, match="device must be"):
+        mc.load(tiny_path, device="cuda:one")
     with pytest.raises(ValueError, match="diffusion_steps"):
         mc.load(tiny_path, diffusion_steps=0)
 
@@ -194,12 +198,25 @@ def test_concurrent_use_of_one_model_is_refused_not_corrupted(model):
     assert all("already running" in e for e in errors)
 
 
-def test_cuda_device_is_refused_until_models_run_there(tiny_path, monkeypatch):
-    """With a usable CUDA op table but models not yet wired to it, device='cuda' raises
-    instead of silently running on the CPU, and 'auto' means the CPU."""
+def test_device_resolution(tiny_path, monkeypatch):
+    """'auto' picks CUDA device 0 exactly when a usable CUDA backend is listed; an index past
+    the devices found is refused with the count; the C layer refuses bad strings itself."""
     import marcache.model as model_module
 
+    monkeypatch.setattr(model_module._C, "backends", lambda: ["cpu"])
+    assert model_module._resolve_device("auto") == "cpu"
     monkeypatch.setattr(model_module._C, "backends", lambda: ["cpu", "cuda"])
-    with pytest.raises(ValueError, match="models do not run on it yet"):
-        mc.load(tiny_path, device="cuda:0")
-    assert mc.load(tiny_path, device="auto").device == "cpu"
+    assert model_module._resolve_device("auto") == "cuda:0"
+    monkeypatch.setattr(model_module._C, "build_info", lambda: {"cuda": True, "cuda_devices": 1})
+    assert model_module._resolve_device("cuda") == "cuda:0"
+    with pytest.raises(ValueError, match="1 CUDA device found"):
+        model_module._resolve_device("cuda:1")
+    monkeypatch.undo()
+    for device, match in [("tpu", "device must be"), ("cuda:-1", "device must be"), ("cuda:x", "device must be"),
+                          ("cuda:7", "CUDA")]:
+        with pytest.raises(ValueError, match=match):
+            _C.MAR(str(tiny_path), device=device)
+    with pytest.raises(ValueError, match="dtype must be"):
+        _C.MAR(str(tiny_path), dtype="fp8")
+    with pytest.raises(ValueError, match="device must be|CUDA"):
+        _C.VAE(str(tiny_path), device="cuda:9")

@@ -109,6 +109,6 @@ def test_cli_info_and_flops():
 
 def test_build_info_names_backends_and_blas():
     info = mc.build_info()
-    assert info["backends"] == ",".join(mc._C.backends())  # "cpu", or "cpu,cuda" with a GPU
+    assert info["backends"] == ",".join(mc._C.backends())  # "cpu,guard", and ",cuda" with a GPU
     assert "OpenBLAS" in info["blas_config"]
     assert "-fopenmp" in info["cflags"]

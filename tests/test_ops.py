@@ -78,6 +78,14 @@ def ref_linear(inputs, p):
     return ref.linear(x, w, bias, act=p.get("act", "none"), beta=p.get("beta", 0.0), y=y)
 
 
+def ref_linear_rounded_operands(inputs, p):
+    """The 16-bit linear's contract: x and W rounded to the weight type, then exact."""
+    x, w, bias, y = (tuple(inputs) + (None,) * 4)[:4]
+    wtype = p.get("wtype", "fp32")
+    return ref.linear(ref.round_to_wtype(x, wtype), ref.round_to_wtype(w, wtype), bias,
+                      act=p.get("act", "none"), beta=p.get("beta", 0.0), y=y)
+
+
 def ref_layernorm(inputs, p):
     x, w, b, shift, scale = (tuple(inputs) + (None,) * 5)[:5]
     return ref.layernorm(x, w, b, eps=p["eps"], shift=shift, scale=scale)
@@ -199,10 +207,11 @@ class Case:
 CASES = []
 
 
-def case(op, name, tol=1e-5):
-    """Decorator: registers the builder below it as a case of `op`."""
+def case(op, name, tol=1e-5, reference=None):
+    """Decorator: registers the builder below it as a case of `op` (checked against
+    REFERENCES[op] unless another reference is given)."""
     def register(build):
-        CASES.append(Case(op, name, build, REFERENCES[op], tol))
+        CASES.append(Case(op, name, build, reference or REFERENCES[op], tol))
         return build
     return register
 
@@ -243,7 +252,7 @@ case("gemm", "64x80x1024-long-k", tol=2e-5)(gemm_builder(64, 80, 1024, False, Tr
 
 # linear: x [rows, in] W^T + bias, activations, residual accumulation.
 def linear_builder(rows, inp, out, act="none", bias=True, beta=0.0, with_y=False,
-                   strided=False):
+                   strided=False, wtype=None):
     def build(rng):
         x = column_slice(rng, rows, inp) if strided else randn(rng, rows, inp)
         w = randn(rng, out, inp, scale=1.0 / np.sqrt(inp))
@@ -251,7 +260,10 @@ def linear_builder(rows, inp, out, act="none", bias=True, beta=0.0, with_y=False
         inputs = (x, w, b)
         if with_y:
             inputs += (column_slice(rng, rows, out) if strided else randn(rng, rows, out),)
-        return inputs, {"act": act, "beta": f32(beta)}
+        params = {"act": act, "beta": f32(beta)}
+        if wtype is not None:
+            params["wtype"] = wtype
+        return inputs, params
     return build
 
 
@@ -268,6 +280,19 @@ case("linear", "17x33x65-strided-residual")(linear_builder(17, 33, 65, beta=1.0,
                                                             strided=True))
 case("linear", "3x17x33-strided-gelu")(linear_builder(3, 17, 33, "gelu", with_y=True,
                                                       strided=True))
+# 16-bit weights (the model's dtype="bf16"/"fp16"): against the float64 result of the
+# unrounded inputs within the bounds of 16-bit operands (METHOD.md: bf16 between 1e-3 and
+# 1e-2; fp16 has 3 more mantissa bits), and against the float64 result of the rounded
+# operands at float32 accuracy, which pins the rounding (nearest even) and the float32 sums.
+for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
+    for rows, inp, out, act, strided in [(1, 33, 17, "none", False), (17, 64, 80, "gelu", False),
+                                         (65, 256, 96, "silu", True), (3, 17, 65, "none", True)]:
+        name = "%dx%dx%d-%s-%s%s" % (rows, inp, out, act, wtype, "-strided" if strided else "")
+        build = linear_builder(rows, inp, out, act, strided=strided, wtype=wtype)
+        case("linear", name, tol=tol)(build)
+        case("linear", name + "-rounded-ref", tol=2e-5, reference=ref_linear_rounded_operands)(build)
+    case("linear", "17x33x65-residual-" + wtype, tol=tol)(
+        linear_builder(17, 33, 65, beta=1.0, with_y=True, wtype=wtype))
 case("linear", "33x1024x65-long-in", tol=2e-5)(linear_builder(33, 1024, 65, "gelu"))
 
 
@@ -802,6 +827,9 @@ def relative_error(got, want):
 def test_op(backend, case):
     rng = np.random.default_rng(zlib.crc32(case.id.encode()))
     inputs, params = case.build(rng)
+    if backend == "guard" and params.get("naive"):
+        pytest.skip("the guard backend runs the CPU's fast kernels; naive=True selects a "
+                    "backend's separate reference kernel, which the CPU and CUDA cases cover")
     snapshot = [None if a is None else a.copy() for a in inputs]
     got = _C.run_op(backend, case.op, inputs, params)
     for before, after in zip(snapshot, inputs):

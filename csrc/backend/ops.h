@@ -19,6 +19,19 @@ typedef struct mc_ops mc_ops;
 
 typedef enum mc_act { MC_ACT_NONE = 0, MC_ACT_GELU = 1, MC_ACT_SILU = 2 } mc_act;
 
+/* Element type of the weights `linear` reads on a backend (its
+ * linear_wtype). With BF16 or F16 the layer runs as PyTorch's autocast
+ * does: x is rounded to the 16-bit type, products are summed in float32,
+ * bias and activation are applied in float32. Every other op and tensor
+ * stays float32. */
+typedef enum mc_wtype { MC_WTYPE_F32 = 0, MC_WTYPE_BF16 = 1, MC_WTYPE_F16 = 2 } mc_wtype;
+
+static inline size_t mc_wtype_size(mc_wtype t) { return t == MC_WTYPE_F32 ? 4 : 2; }
+
+static inline const char *mc_wtype_name(mc_wtype t) {
+    return t == MC_WTYPE_BF16 ? "bf16" : t == MC_WTYPE_F16 ? "fp16" : "fp32";
+}
+
 /* One block of keys/values that queries attend to. Row r of batch item b,
  * head h starts at k + b * batch_stride + r * ld + h * head_dim (same for v).
  * Attention over a list of segments equals attention over their row
@@ -88,10 +101,11 @@ struct mc_ops {
                       float beta, float *c, int64_t ldc, mc_err *err);
 
     /* y = beta * y + act(x W^T + bias). x [rows, in], W [out, in] contiguous
-     * (nn.Linear layout), bias [out] or NULL. beta is 0 or 1; with beta = 1
-     * act must be NONE (residual accumulation). */
+     * (nn.Linear layout) with elements of be->linear_wtype, bias [out] or
+     * NULL. beta is 0 or 1; with beta = 1 act must be NONE (residual
+     * accumulation). */
     mc_status (*linear)(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                        const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                        const void *w, const float *bias, int64_t out, mc_act act, float beta,
                         float *y, int64_t ldy, mc_err *err);
 
     /* y = LN(x) over dim with biased variance and eps; then * w + b when w
@@ -228,16 +242,51 @@ struct mc_ops {
                                      int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
                                      int64_t out_h, int64_t out_w, int normalize, float *y,
                                      mc_err *err);
+
+    /* ---- graphs (optional: NULL where a backend has none) ----
+     * capture_begin starts recording: the ops called until capture_end are
+     * recorded, not run. While recording, ops must not allocate, upload or
+     * download (they fail, and so does the recording). capture_end stops;
+     * with keep != 0 and a clean recording it stores a runnable graph in
+     * *graph, updating the one already there when it can (same ops, other
+     * sizes or pointers) and replacing it otherwise; with keep == 0 it
+     * discards the recording. graph_launch runs a graph on the backend's
+     * queue, graph_free frees one. The head sampler records its 99 later
+     * diffusion steps (runtime/mar_sampler.c). */
+    mc_status (*capture_begin)(mc_backend *be, mc_err *err);
+    mc_status (*capture_end)(mc_backend *be, void **graph, int keep, mc_err *err);
+    mc_status (*graph_launch)(mc_backend *be, void *graph, mc_err *err);
+    void (*graph_free)(mc_backend *be, void *graph);
 };
 
 struct mc_backend {
     const mc_ops *ops;
     int device_index;
+    /* Weights of `linear` are stored in this type. Set right after the
+     * backend is made, before any weight is bound (mc_bind's
+     * MC_BIND_LINEAR converts to it), and never changed afterwards. */
+    mc_wtype linear_wtype;
     void *impl;  /* backend-private state: scratch pools, handles, streams */
 };
 
+/* Rows [row, ...) of a `linear` weight of `in` columns stored in the
+ * backend's weight type (a view, like the q part of a fused qkv). */
+static inline const void *mc_linear_w_rows(const mc_backend *be, const void *w, int64_t row,
+                                           int64_t in) {
+    return (const char *)w + (size_t)(row * in) * mc_wtype_size(be->linear_wtype);
+}
+
 /* Backend factories. The CPU backend always exists. */
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err);
+
+/* The guard backend: the CPU backend's ops over memory the host cannot
+ * touch. Its buffers live in one reserved address range that is readable
+ * only while one of its own ops (or upload/download/copy) runs, so any
+ * code that dereferences a backend pointer on the host faults at once.
+ * Models run on it give the CPU's results bit for bit; the tests use it to
+ * prove that model and policy code keep host and device memory apart, as
+ * the CUDA backend needs, on machines without a GPU. */
+mc_status mc_backend_guard_create(mc_backend **out, int num_threads, mc_err *err);
 static inline void mc_backend_destroy(mc_backend *be) {
     if (be != NULL)
         be->ops->destroy(be);

@@ -3,6 +3,8 @@
  * everything it uploaded. */
 #include "bind.h"
 
+#include "../core/half.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,7 +126,14 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
     if (layout == MC_BIND_CONV_OHWI && ndim != 4)
         return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: key '%s': conv repacking needs a 4-D shape, got %d-D", path,
                        name, ndim);
-    if (layout != MC_BIND_AS_IS && layout != MC_BIND_CONV_OHWI)
+    if (layout == MC_BIND_LINEAR && ndim != 2)
+        return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: key '%s': a linear weight needs a 2-D shape, got %d-D", path,
+                       name, ndim);
+    mc_backend *be = ld->backend;
+    const int to_16bit = layout == MC_BIND_LINEAR && be->linear_wtype != MC_WTYPE_F32;
+    if (layout == MC_BIND_LINEAR && !to_16bit)
+        layout = MC_BIND_AS_IS;
+    if (layout != MC_BIND_AS_IS && layout != MC_BIND_CONV_OHWI && layout != MC_BIND_LINEAR)
         return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: key '%s': unknown bind layout %d", path, name, (int)layout);
     if (t->dtype != MC_DT_F32 && t->dtype != MC_DT_F16 && t->dtype != MC_DT_BF16 && t->dtype != MC_DT_F64)
         return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has dtype %s, which cannot be converted to float32",
@@ -133,7 +142,7 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
     /* numel * 4 fits: open() bounded numel * dtype size (>= 2 here) by
      * INT64_MAX, and non-empty tensors by the file size. */
     size_t numel = (size_t)mc_st_numel(t);
-    size_t bytes = numel * sizeof(float);
+    size_t bytes = numel * (to_16bit ? sizeof(uint16_t) : sizeof(float));
     const void *host_src;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     const int direct = (t->dtype == MC_DT_F32 && layout == MC_BIND_AS_IS);
@@ -145,8 +154,9 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
          * the mapping (upload is a byte copy, so alignment does not matter). */
         host_src = t->data;
     } else {
-        /* The conv repack needs a second region; both halves share one buffer. */
-        size_t scratch_floats = layout == MC_BIND_CONV_OHWI ? 2 * numel : numel;
+        /* The conv repack and the 16-bit rounding need a second region;
+         * both halves share one buffer. */
+        size_t scratch_floats = layout != MC_BIND_AS_IS ? 2 * numel : numel;
         float *scratch = host_scratch(ld, scratch_floats ? scratch_floats : 1);
         if (scratch == NULL)
             return ld->err->status;
@@ -154,6 +164,12 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
         if (layout == MC_BIND_CONV_OHWI) {
             repack_conv_ohwi(scratch, scratch + numel, t->shape);
             host_src = scratch + numel;
+        } else if (to_16bit) {
+            uint16_t *packed = (uint16_t *)(scratch + numel);
+            const int bf16 = be->linear_wtype == MC_WTYPE_BF16;
+            for (size_t i = 0; i < numel; i++)
+                packed[i] = bf16 ? mc_f32_to_bf16(scratch[i]) : mc_f32_to_f16(scratch[i]);
+            host_src = packed;
         } else {
             host_src = scratch;
         }
@@ -161,7 +177,6 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
 
     /* Never ask a backend for 0 bytes: some return NULL for that. */
     size_t alloc_bytes = bytes ? bytes : sizeof(float);
-    mc_backend *be = ld->backend;
     void *buffer = be->ops->alloc(be, alloc_bytes, ld->err);
     if (buffer == NULL)
         return mc_fail(ld->err, MC_ERR_NOMEM, "%s: cannot allocate %zu bytes for key '%s'", path, alloc_bytes,
@@ -179,18 +194,38 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
     return MC_OK;
 }
 
+static mc_status format_name(mc_loader *ld, char *name, size_t size, const char *fmt, va_list ap) {
+    int n = vsnprintf(name, size, fmt, ap);
+    if (n < 0 || (size_t)n >= size)
+        return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: tensor name from format '%s' is longer than %d bytes",
+                       ld->file->path, fmt, MC_BIND_MAX_NAME - 1);
+    return MC_OK;
+}
+
 mc_status mc_bindf(mc_loader *ld, float **out, int ndim, const int64_t *shape, const char *fmt, ...) {
     char name[MC_BIND_MAX_NAME];
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(name, sizeof name, fmt, ap);
+    mc_status st = format_name(ld, name, sizeof name, fmt, ap);
     va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof name) {
-        *out = NULL;
-        return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: tensor name from format '%s' is longer than %d bytes",
-                       ld->file->path, fmt, MC_BIND_MAX_NAME - 1);
-    }
-    return mc_bind(ld, name, ndim, shape, MC_BIND_AS_IS, out);
+    *out = NULL;
+    return st != MC_OK ? st : mc_bind(ld, name, ndim, shape, MC_BIND_AS_IS, out);
+}
+
+mc_status mc_bind_linearf(mc_loader *ld, void **out, int64_t out_features, int64_t in_features,
+                          const char *fmt, ...) {
+    char name[MC_BIND_MAX_NAME];
+    va_list ap;
+    va_start(ap, fmt);
+    mc_status st = format_name(ld, name, sizeof name, fmt, ap);
+    va_end(ap);
+    *out = NULL;
+    if (st != MC_OK)
+        return st;
+    float *bound = NULL;
+    st = mc_bind(ld, name, 2, (const int64_t[]){out_features, in_features}, MC_BIND_LINEAR, &bound);
+    *out = bound;
+    return st;
 }
 
 int mc_loader_has(const mc_loader *ld, const char *name) { return mc_st_find(ld->file, name) != NULL; }

@@ -14,7 +14,9 @@
 
 typedef enum mc_bind_layout {
     MC_BIND_AS_IS = 0,     /* keep the stored C-order layout */
-    MC_BIND_CONV_OHWI = 1  /* 4-D conv weight [O, I, kh, kw] repacked to [O, kh, kw, I] */
+    MC_BIND_CONV_OHWI = 1, /* 4-D conv weight [O, I, kh, kw] repacked to [O, kh, kw, I] */
+    MC_BIND_LINEAR = 2     /* 2-D weight of the `linear` op: stored in the backend's
+                              linear_wtype (16-bit types rounded to nearest even) */
 } mc_bind_layout;
 
 /* Device allocations made on behalf of a model, freed together. */
@@ -48,6 +50,15 @@ mc_status mc_alloc_list_push(mc_alloc_list *list, void *ptr, size_t bytes, mc_er
  * MC_ERR_VALUE; both messages name the file and the key. */
 mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shape,
                   mc_bind_layout layout, float **out);
+
+/* A weight of the `linear` op, [out_features, in_features], stored in the
+ * backend's linear_wtype (MC_BIND_LINEAR); name as a printf format. */
+mc_status mc_bind_linearf(mc_loader *ld, void **out, int64_t out_features, int64_t in_features,
+                          const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
 
 /* printf-style name variant: mc_bindf(ld, &p, 2, (int64_t[]){a, b}, "blocks.%d.w", i). */
 mc_status mc_bindf(mc_loader *ld, float **out, int ndim, const int64_t *shape, const char *fmt, ...)

@@ -191,6 +191,8 @@ static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *c
 #define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
 #define BIND(dst, name, ...) MC_TRY(mc_bind(ld, name, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), MC_BIND_AS_IS, &(dst)))
 #define BINDF(dst, dims, fmt, ...) MC_TRY(mc_bindf(ld, &(dst), NDIM dims, SHAPE dims, fmt, __VA_ARGS__))
+/* A Linear layer's weight [out, in], in the backend's linear_wtype. */
+#define LBIND(dst, out, in, ...) MC_TRY(mc_bind_linearf(ld, &(dst), out, in, __VA_ARGS__))
 
 static mc_status bind_blocks(mc_loader *ld, const char *prefix, int64_t depth, int64_t width,
                              int64_t hidden, mc_mar_block *blocks) {
@@ -198,15 +200,15 @@ static mc_status bind_blocks(mc_loader *ld, const char *prefix, int64_t depth, i
         mc_mar_block *b = &blocks[i];
         BINDF(b->norm1_w, (width), "%s.%d.norm1.weight", prefix, i);
         BINDF(b->norm1_b, (width), "%s.%d.norm1.bias", prefix, i);
-        BINDF(b->qkv_w, (3 * width, width), "%s.%d.attn.qkv.weight", prefix, i);
+        LBIND(b->qkv_w, 3 * width, width, "%s.%d.attn.qkv.weight", prefix, i);
         BINDF(b->qkv_b, (3 * width), "%s.%d.attn.qkv.bias", prefix, i);
-        BINDF(b->proj_w, (width, width), "%s.%d.attn.proj.weight", prefix, i);
+        LBIND(b->proj_w, width, width, "%s.%d.attn.proj.weight", prefix, i);
         BINDF(b->proj_b, (width), "%s.%d.attn.proj.bias", prefix, i);
         BINDF(b->norm2_w, (width), "%s.%d.norm2.weight", prefix, i);
         BINDF(b->norm2_b, (width), "%s.%d.norm2.bias", prefix, i);
-        BINDF(b->fc1_w, (hidden, width), "%s.%d.mlp.fc1.weight", prefix, i);
+        LBIND(b->fc1_w, hidden, width, "%s.%d.mlp.fc1.weight", prefix, i);
         BINDF(b->fc1_b, (hidden), "%s.%d.mlp.fc1.bias", prefix, i);
-        BINDF(b->fc2_w, (width, hidden), "%s.%d.mlp.fc2.weight", prefix, i);
+        LBIND(b->fc2_w, width, hidden, "%s.%d.mlp.fc2.weight", prefix, i);
         BINDF(b->fc2_b, (width), "%s.%d.mlp.fc2.bias", prefix, i);
     }
     return MC_OK;
@@ -222,40 +224,40 @@ static mc_status bind_all(mc_loader *ld, mc_mar *m) {
     BIND(m->dec_pos, "decoder_pos_embed_learned", 1, L, Dd);
     BIND(m->diff_pos, "diffusion_pos_embed_learned", 1, S, Dd);
     BIND(m->class_emb, "class_emb.weight", c->num_classes, D);
-    BIND(m->z_proj_w, "z_proj.weight", D, C);
+    LBIND(m->z_proj_w, D, C, "%s", "z_proj.weight");
     BIND(m->z_proj_b, "z_proj.bias", D);
     BIND(m->z_proj_ln_w, "z_proj_ln.weight", D);
     BIND(m->z_proj_ln_b, "z_proj_ln.bias", D);
     MC_TRY(bind_blocks(ld, "encoder_blocks", c->enc_depth, D, c->mlp_hidden, m->enc_blocks));
     BIND(m->enc_norm_w, "encoder_norm.weight", D);
     BIND(m->enc_norm_b, "encoder_norm.bias", D);
-    BIND(m->dec_embed_w, "decoder_embed.weight", Dd, D);
+    LBIND(m->dec_embed_w, Dd, D, "%s", "decoder_embed.weight");
     BIND(m->dec_embed_b, "decoder_embed.bias", Dd);
     MC_TRY(bind_blocks(ld, "decoder_blocks", c->dec_depth, Dd, c->dec_mlp_hidden, m->dec_blocks));
     BIND(m->dec_norm_w, "decoder_norm.weight", Dd);
     BIND(m->dec_norm_b, "decoder_norm.bias", Dd);
-    BIND(m->time_mlp0_w, "diffloss.net.time_embed.mlp.0.weight", W, MAR_TIME_FREQ_DIM);
+    LBIND(m->time_mlp0_w, W, MAR_TIME_FREQ_DIM, "%s", "diffloss.net.time_embed.mlp.0.weight");
     BIND(m->time_mlp0_b, "diffloss.net.time_embed.mlp.0.bias", W);
-    BIND(m->time_mlp2_w, "diffloss.net.time_embed.mlp.2.weight", W, W);
+    LBIND(m->time_mlp2_w, W, W, "%s", "diffloss.net.time_embed.mlp.2.weight");
     BIND(m->time_mlp2_b, "diffloss.net.time_embed.mlp.2.bias", W);
-    BIND(m->cond_w, "diffloss.net.cond_embed.weight", W, Dd);
+    LBIND(m->cond_w, W, Dd, "%s", "diffloss.net.cond_embed.weight");
     BIND(m->cond_b, "diffloss.net.cond_embed.bias", W);
-    BIND(m->input_proj_w, "diffloss.net.input_proj.weight", W, C);
+    LBIND(m->input_proj_w, W, C, "%s", "diffloss.net.input_proj.weight");
     BIND(m->input_proj_b, "diffloss.net.input_proj.bias", W);
     for (int j = 0; j < (int)c->head_depth; j++) {
         mc_mar_res_block *r = &m->res_blocks[j];
         BINDF(r->in_ln_w, (W), "diffloss.net.res_blocks.%d.in_ln.weight", j);
         BINDF(r->in_ln_b, (W), "diffloss.net.res_blocks.%d.in_ln.bias", j);
-        BINDF(r->mlp0_w, (W, W), "diffloss.net.res_blocks.%d.mlp.0.weight", j);
+        LBIND(r->mlp0_w, W, W, "diffloss.net.res_blocks.%d.mlp.0.weight", j);
         BINDF(r->mlp0_b, (W), "diffloss.net.res_blocks.%d.mlp.0.bias", j);
-        BINDF(r->mlp2_w, (W, W), "diffloss.net.res_blocks.%d.mlp.2.weight", j);
+        LBIND(r->mlp2_w, W, W, "diffloss.net.res_blocks.%d.mlp.2.weight", j);
         BINDF(r->mlp2_b, (W), "diffloss.net.res_blocks.%d.mlp.2.bias", j);
-        BINDF(r->ada_w, (3 * W, W), "diffloss.net.res_blocks.%d.adaLN_modulation.1.weight", j);
+        LBIND(r->ada_w, 3 * W, W, "diffloss.net.res_blocks.%d.adaLN_modulation.1.weight", j);
         BINDF(r->ada_b, (3 * W), "diffloss.net.res_blocks.%d.adaLN_modulation.1.bias", j);
     }
-    BIND(m->final_ada_w, "diffloss.net.final_layer.adaLN_modulation.1.weight", 2 * W, W);
+    LBIND(m->final_ada_w, 2 * W, W, "%s", "diffloss.net.final_layer.adaLN_modulation.1.weight");
     BIND(m->final_ada_b, "diffloss.net.final_layer.adaLN_modulation.1.bias", 2 * W);
-    BIND(m->final_linear_w, "diffloss.net.final_layer.linear.weight", 2 * C, W);
+    LBIND(m->final_linear_w, 2 * C, W, "%s", "diffloss.net.final_layer.linear.weight");
     BIND(m->final_linear_b, "diffloss.net.final_layer.linear.bias", 2 * C);
     return MC_OK;
 }
@@ -364,9 +366,13 @@ mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override
     return MC_OK;
 }
 
+void **mc_mar_head_graph(mc_mar *mar) { return &mar->head_graph; }
+
 void mc_mar_free(mc_mar *mar) {
     if (mar == NULL)
         return;
+    if (mar->head_graph != NULL && mar->backend->ops->graph_free != NULL)
+        mar->backend->ops->graph_free(mar->backend, mar->head_graph);
     free_workspace(mar);
     mc_alloc_list_free(&mar->weights, mar->backend);
     free(mar->enc_blocks);
@@ -724,7 +730,7 @@ mc_status mc_mar_head_forward_cached(mc_mar *m, const float *x, int64_t rows, in
         }
         if (mode == MC_HEAD_REUSE) {
             /* Only the gate of the modulation is needed: rows 2W..3W of the adaLN Linear. */
-            MC_TRY(ops->linear(be, y, W, rows, W, r->ada_w + 2 * W * W, r->ada_b + 2 * W, W,
+            MC_TRY(ops->linear(be, y, W, rows, W, mc_linear_w_rows(be, r->ada_w, 2 * W, W), r->ada_b + 2 * W, W,
                                MC_ACT_NONE, 0.0f, ada, W, err));
             MC_TRY(ops->gated_add(be, h, W, cache->mlp[j], W, ada, W, rows, W, err));
             continue;

@@ -28,13 +28,18 @@ typedef struct mc_mar_config {
     int64_t num_classes;
 } mc_mar_config;
 
+/* Weights of `linear` (the *_w of a Linear layer) are `void *`: they are
+ * stored in the backend's linear_wtype, float32 or 16-bit. Everything
+ * else (norms, biases, embeddings) is float32. */
 typedef struct mc_mar_block {
-    float *norm1_w, *norm1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
-    float *norm2_w, *norm2_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+    float *norm1_w, *norm1_b, *qkv_b, *proj_b;
+    float *norm2_w, *norm2_b, *fc1_b, *fc2_b;
+    void *qkv_w, *proj_w, *fc1_w, *fc2_w;
 } mc_mar_block;
 
 typedef struct mc_mar_res_block {
-    float *in_ln_w, *in_ln_b, *mlp0_w, *mlp0_b, *mlp2_w, *mlp2_b, *ada_w, *ada_b;
+    float *in_ln_w, *in_ln_b, *mlp0_b, *mlp2_b, *ada_b;
+    void *mlp0_w, *mlp2_w, *ada_w;
 } mc_mar_res_block;
 
 /* Activation buffers, grown on demand and reused across steps and calls. */
@@ -51,14 +56,17 @@ typedef struct mc_mar {
     mc_alloc_list weights;
 
     float *fake_latent, *enc_pos, *mask_token, *dec_pos, *diff_pos, *class_emb;
-    float *z_proj_w, *z_proj_b, *z_proj_ln_w, *z_proj_ln_b;
+    void *z_proj_w;
+    float *z_proj_b, *z_proj_ln_w, *z_proj_ln_b;
     mc_mar_block *enc_blocks, *dec_blocks;
-    float *enc_norm_w, *enc_norm_b, *dec_embed_w, *dec_embed_b, *dec_norm_w, *dec_norm_b;
+    void *dec_embed_w;
+    float *enc_norm_w, *enc_norm_b, *dec_embed_b, *dec_norm_w, *dec_norm_b;
 
-    float *time_mlp0_w, *time_mlp0_b, *time_mlp2_w, *time_mlp2_b;
-    float *cond_w, *cond_b, *input_proj_w, *input_proj_b;
+    void *time_mlp0_w, *time_mlp2_w, *cond_w, *input_proj_w;
+    float *time_mlp0_b, *time_mlp2_b, *cond_b, *input_proj_b;
     mc_mar_res_block *res_blocks;
-    float *final_ada_w, *final_ada_b, *final_linear_w, *final_linear_b;
+    void *final_ada_w, *final_linear_w;
+    float *final_ada_b, *final_linear_b;
 
     /* Hoisted at load: decoder rows of unknown positions before the blocks
      * (mask_token + decoder_pos_embed), and the head's time embedding for
@@ -68,6 +76,7 @@ typedef struct mc_mar {
     int64_t n_timesteps;
 
     mc_mar_workspace ws;
+    void *head_graph; /* the backend's recorded head sampler steps, or NULL */
 } mc_mar;
 
 /* Loads a MAR checkpoint. `heads_override` / `dec_heads_override` <= 0 mean:
@@ -179,6 +188,10 @@ mc_status mc_mar_head_forward_cached(mc_mar *mar, const float *x, int64_t rows, 
 /* The decoder's last activations [B', P + S, Dd] after mc_mar_transformer_ex
  * (valid until the next transformer call). */
 float *mc_mar_decoder_activations(mc_mar *mar);
+
+/* The head sampler's recorded graph (ops.h capture_*), NULL until the first
+ * recording; owned by the model and freed with it. */
+void **mc_mar_head_graph(mc_mar *mar);
 /* The fused qkv [rows, 3 * dim] of the last mc_mar_block_attn call. */
 const float *mc_mar_last_qkv(mc_mar *mar);
 

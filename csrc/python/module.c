@@ -99,9 +99,9 @@ static PyObject *build_info(PyObject *self, PyObject *noargs) {
     (void)noargs;
 #ifdef MC_HAVE_CUDA
     /* The backends run_op and the models can use now (_C.backends()). */
-    const char *backends = mc_cuda_device_count() > 0 ? "cpu,cuda" : "cpu";
+    const char *backends = mc_cuda_device_count() > 0 ? "cpu,guard,cuda" : "cpu,guard";
 #else
-    const char *backends = "cpu";
+    const char *backends = "cpu,guard";
 #endif
     PyObject *info = Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:i,s:s}", "backends", backends, "blas",
                                    MC_BLAS_NAME, "blas_config", mc_cpu_blas_config(), "blas_core",
@@ -210,7 +210,40 @@ static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
 }
 #endif
 
+/* _guard_probe(touch) -> float: a test that the guard backend guards. Stores
+ * 42.0 in a guard buffer and reads it back through download (allowed); with
+ * touch=True it then reads the buffer directly on the host, which must kill
+ * the process with SIGSEGV (the test runs it in a subprocess). */
+static PyObject *guard_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    int touch = 0;
+    if (!PyArg_ParseTuple(args, "p", &touch))
+        return NULL;
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    if (mc_backend_guard_create(&be, 1, &err) != MC_OK)
+        return mcpy_raise(&err);
+    float value = 42.0f, back = 0.0f;
+    float *buffer = be->ops->alloc(be, sizeof value, &err);
+    mc_status st = buffer == NULL ? err.status : MC_OK;
+    if (st == MC_OK)
+        st = be->ops->upload(be, buffer, &value, sizeof value, &err);
+    if (st == MC_OK)
+        st = be->ops->download(be, &back, buffer, sizeof back, &err);
+    if (st == MC_OK && touch)
+        back = *(volatile float *)buffer; /* faults: the range is PROT_NONE here */
+    if (buffer != NULL)
+        be->ops->release(be, buffer);
+    mc_backend_destroy(be);
+    if (st != MC_OK)
+        return mcpy_raise(&err);
+    return PyFloat_FromDouble((double)back);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_guard_probe", guard_probe, METH_VARARGS,
+     "_guard_probe(touch) -> 42.0 read back from a guard buffer; touch=True reads it on the host "
+     "instead, which must fault (tests only)."},
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
     {"sgemm_seconds", sgemm_seconds, METH_VARARGS,
      "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},

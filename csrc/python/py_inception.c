@@ -8,6 +8,7 @@
  * takes the GIL back just long enough to check for Ctrl-C. One call at a
  * time per object (the activation buffers are reused). */
 #include "py_numpy.h"
+#include "py_backend.h"
 
 #include <pythread.h>
 #include <stdio.h>
@@ -39,12 +40,13 @@ static void Inception_dealloc(InceptionObject *self) {
 }
 
 static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "num_threads", "chunk", NULL};
+    static char *kwlist[] = {"path", "num_threads", "chunk", "device", NULL};
+    const char *device = "cpu";
     PyObject *path_bytes = NULL;
     int num_threads = 0;
     long long chunk = 8;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|iL:Inception", kwlist, PyUnicode_FSConverter,
-                                     &path_bytes, &num_threads, &chunk))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|iLs:Inception", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &num_threads, &chunk, &device))
         return -1;
     if (num_threads < 0 || chunk < 1 || chunk > 4096) {
         Py_DECREF(path_bytes);
@@ -73,7 +75,7 @@ static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds)
     Py_BEGIN_ALLOW_THREADS
     st = mc_st_open(path, &file, &err);
     if (st == MC_OK)
-        st = mc_backend_cpu_create(&backend, num_threads, &err);
+        st = mcpy_backend_open(device, num_threads, MC_WTYPE_F32, &backend, &err);
     if (st == MC_OK)
         st = mc_inception_load(backend, file, (int64_t)chunk, &net, &err);
     mc_st_close(file);

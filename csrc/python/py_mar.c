@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../runtime/mar_sampler.h"
+#include "py_backend.h"
 
 typedef struct {
     PyObject_HEAD
@@ -23,22 +24,31 @@ static void mar_dealloc(PyMAR *self) {
 }
 
 static int mar_init(PyMAR *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"path", "heads", "diffusion_steps", "threads", NULL};
+    static char *keywords[] = {"path", "heads", "diffusion_steps", "threads", "device", "dtype", NULL};
     PyObject *path_obj = NULL;
     int heads = 0, diffusion_steps = 100, threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&|iii", keywords, PyUnicode_FSConverter, &path_obj,
-                                     &heads, &diffusion_steps, &threads))
+    const char *device = "cpu", *dtype = "fp32";
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&|iiiss", keywords, PyUnicode_FSConverter, &path_obj,
+                                     &heads, &diffusion_steps, &threads, &device, &dtype))
         return -1;
+    mc_wtype wtype;
+    if (mcpy_parse_wtype(dtype, &wtype) < 0) {
+        Py_DECREF(path_obj);
+        return -1;
+    }
     mc_err err = {0};
     mc_st_file *file = NULL;
     mc_status st = MC_OK;
     mc_mar_free(self->mar);
     self->mar = NULL;
+    /* __init__ again on a live object: the new device and dtype apply. */
+    mc_backend_destroy(self->backend);
+    self->backend = NULL;
     const char *path = PyBytes_AS_STRING(path_obj);
     Py_BEGIN_ALLOW_THREADS
     st = mc_diffusion_init(&self->diffusion, diffusion_steps, &err);
-    if (st == MC_OK && self->backend == NULL)
-        st = mc_backend_cpu_create(&self->backend, threads, &err);
+    if (st == MC_OK)
+        st = mcpy_backend_open(device, threads, wtype, &self->backend, &err);
     if (st == MC_OK)
         st = mc_st_open(path, &file, &err);
     if (st == MC_OK)
@@ -90,7 +100,7 @@ typedef struct step_callback_ctx {
 } step_callback_ctx;
 
 static PyObject *step_info_dict(const mc_step_info *s) {
-    return Py_BuildValue("{s:i,s:O,s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:d,s:d}", "step", s->step,
+    return Py_BuildValue("{s:i,s:O,s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:d,s:d,s:O}", "step", s->step,
                          "full", s->full ? Py_True : Py_False, "masked_before", (long long)s->masked_before,
                          "predicted", (long long)s->predicted, "cfg", (double)s->cfg, "encoder_rows",
                          (long long)s->encoder_rows, "decoder_rows", (long long)s->decoder_rows,
@@ -98,7 +108,7 @@ static PyObject *step_info_dict(const mc_step_info *s) {
                          (long long)s->head_rows, "head_evaluations", (long long)s->head_evaluations,
                          "head_cached_evaluations", (long long)s->head_cached_evaluations,
                          "cache_bytes", (long long)s->cache_bytes, "flops", s->flops, "seconds",
-                         s->seconds);
+                         s->seconds, "head_graph", s->head_graph ? Py_True : Py_False);
 }
 
 /* Reads a LazyMAR configuration from the dict marcache.LazyMAR produces

@@ -28,7 +28,9 @@
  *                C [m,n] (None: zeros); all strided -> C
  *   linear       (x [rows,in] strided, W [out,in], bias [out]=None,
  *                y [rows,out] strided=None); act="none"|"gelu"|"silu",
- *                beta=0 (0 or 1; 1 needs act "none") -> y
+ *                beta=0 (0 or 1; 1 needs act "none"), wtype="fp32"|"bf16"|
+ *                "fp16" (the backend's linear_wtype: W, given as float32,
+ *                is rounded to it here as the model loader does) -> y
  *   layernorm    (x [rows,dim] strided, w [dim]=None, b [dim]=None,
  *                shift [rows,dim] strided=None, scale likewise=None); eps,
  *                inplace=False (y written over x) -> y.
@@ -91,6 +93,8 @@
 
 #include "../backend/cpu/cpu_internal.h" /* the plain-loop conv references (naive=True) */
 #include "../backend/ops.h"
+#include "../core/half.h"
+#include "py_backend.h"
 #ifdef MC_HAVE_CUDA
 #include "../backend/cuda/cuda_backend.h"
 #endif
@@ -113,6 +117,10 @@ static mc_status create_cpu_backend(mc_backend **out, mc_err *err) {
     return mc_backend_cpu_create(out, 0, err);
 }
 
+static mc_status create_guard_backend(mc_backend **out, mc_err *err) {
+    return mc_backend_guard_create(out, 0, err);
+}
+
 #ifdef MC_HAVE_CUDA
 static mc_status create_cuda_backend(mc_backend **out, mc_err *err) {
     return mc_backend_cuda_create(out, 0, err);
@@ -123,6 +131,7 @@ static int cuda_usable(void) { return mc_cuda_device_count() > 0; }
 
 static const backend_entry backend_table[] = {
     {"cpu", create_cpu_backend, NULL},
+    {"guard", create_guard_backend, NULL},
 #ifdef MC_HAVE_CUDA
     {"cuda", create_cuda_backend, cuda_usable},
 #endif
@@ -162,6 +171,8 @@ typedef struct op_call {
 static size_t element_size(int typenum) {
     if (typenum == NPY_UINT8)
         return 1;
+    if (typenum == NPY_UINT16)
+        return 2;
     return typenum == NPY_FLOAT ? sizeof(float) : sizeof(int32_t);
 }
 
@@ -171,6 +182,7 @@ static const char *dtype_name(int typenum) {
     case NPY_INT32: return "int32";
     case NPY_UINT32: return "uint32";
     case NPY_UINT8: return "uint8";
+    case NPY_UINT16: return "uint16 (16-bit float bits)";
     default: return "?";
     }
 }
@@ -728,14 +740,46 @@ static PyObject *run_gemm(op_call *call) {
     return finish_op(call, status, c);
 }
 
+/* Replaces a float32 weight operand by its 16-bit bits (round to nearest
+ * even, as mc_bind's MC_BIND_LINEAR does at model load). */
+static int narrow_weight(op_call *call, operand *w, mc_wtype wtype) {
+    PyArrayObject *bits = (PyArrayObject *)PyArray_SimpleNew(2, PyArray_DIMS(w->host), NPY_UINT16);
+    if (bits == NULL)
+        return -1;
+    const float *src = PyArray_DATA(w->host);
+    uint16_t *dst = PyArray_DATA(bits);
+    npy_intp n = PyArray_SIZE(bits);
+    for (npy_intp i = 0; i < n; i++)
+        dst[i] = wtype == MC_WTYPE_BF16 ? mc_f32_to_bf16(src[i]) : mc_f32_to_f16(src[i]);
+    Py_DECREF(w->host);
+    w->host = bits;
+    w->typenum = NPY_UINT16;
+    if (!describe_layout(w, bits, 0)) {
+        PyErr_Format(PyExc_RuntimeError, "%s: cannot lay out the 16-bit weight", call->op_name);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *run_linear(op_call *call) {
-    static const char *const keys[] = {"act", "beta", NULL};
+    static const char *const keys[] = {"act", "beta", "wtype", NULL};
     mc_act act;
     float beta;
+    mc_wtype wtype = MC_WTYPE_F32;
     operand *x, *w, *bias, *y;
     if (check_param_keys(call, keys) < 0 || param_act(call, "act", 0, &act) < 0 ||
         param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 4) < 0)
         return NULL;
+    PyObject *wtype_obj = PyDict_GetItemString(call->params, "wtype");
+    if (wtype_obj != NULL) {
+        const char *name = PyUnicode_Check(wtype_obj) ? PyUnicode_AsUTF8(wtype_obj) : NULL;
+        if (name == NULL) {
+            PyErr_Clear();
+            return raise_value(call, "param 'wtype' must be 'fp32', 'bf16' or 'fp16'");
+        }
+        if (mcpy_parse_wtype(name, &wtype) < 0)
+            return NULL;
+    }
     if (beta != 0.0f && beta != 1.0f)
         return raise_value(call, "param 'beta' must be 0 or 1");
     if (beta == 1.0f && act != MC_ACT_NONE)
@@ -749,6 +793,9 @@ static PyObject *run_linear(op_call *call) {
     if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(in)}) < 0 ||
         (bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(out)}) < 0))
         return NULL;
+    if (wtype != MC_WTYPE_F32 && narrow_weight(call, w, wtype) < 0)
+        return NULL;
+    call->backend->linear_wtype = wtype;
     if (y == NULL) {
         y = new_zeros(call, "y", NPY_FLOAT, 2, (int64_t[]){rows, out});
         if (y == NULL)

@@ -3,6 +3,7 @@
  * _op_upsample_nearest2x), which take NHWC float32 arrays and, for conv2d,
  * PyTorch-layout weights. */
 #include "py_numpy.h"
+#include "py_backend.h"
 
 #include <math.h>
 #include <pythread.h>
@@ -72,11 +73,12 @@ static void VAE_dealloc(VAEObject *self) {
 }
 
 static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "num_threads", NULL};
+    static char *kwlist[] = {"path", "num_threads", "device", NULL};
+    const char *device = "cpu";
     PyObject *path_bytes = NULL;
     int num_threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|i:VAE", kwlist, PyUnicode_FSConverter,
-                                     &path_bytes, &num_threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|is:VAE", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &num_threads, &device))
         return -1;
     if (num_threads < 0) {
         Py_DECREF(path_bytes);
@@ -102,7 +104,7 @@ static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
     Py_BEGIN_ALLOW_THREADS
     st = mc_st_open(path, &file, &err);
     if (st == MC_OK)
-        st = mc_backend_cpu_create(&backend, num_threads, &err);
+        st = mcpy_backend_open(device, num_threads, MC_WTYPE_F32, &backend, &err);
     if (st == MC_OK)
         st = mc_vae_load(backend, file, &vae, &err);
     mc_st_close(file);
@@ -306,8 +308,9 @@ static PyTypeObject VAE_type = {
     .tp_basicsize = sizeof(VAEObject),
     .tp_dealloc = (destructor)VAE_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "VAE(path, num_threads=0): MAR's KL-16 VAE decoder loaded from a safetensors file\n"
-              "in the official key layout (post_quant_conv.* and decoder.*), run on the CPU.",
+    .tp_doc = "VAE(path, num_threads=0, device='cpu'): MAR's KL-16 VAE decoder loaded from a\n"
+              "safetensors file in the official key layout (post_quant_conv.* and decoder.*), on\n"
+              "device 'cpu', 'cuda', 'cuda:N' or 'guard'.",
     .tp_methods = VAE_methods,
     .tp_getset = VAE_getset,
     .tp_init = (initproc)VAE_init,

@@ -55,6 +55,108 @@ double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n
     return f;
 }
 
+/* Everything one diffusion step of the head sampler reads: buffers, the
+ * CFG and cache settings. One step only enqueues backend ops (no host
+ * reads of device memory, no allocation once the first step has sized the
+ * workspace), which is what lets a backend record steps as a graph. */
+typedef struct head_loop {
+    mc_mar *mar;
+    const mc_diffusion *diffusion;
+    int64_t n, rows;
+    int cfg_on;
+    float cfg;
+    double temperature;
+    uint64_t seed;
+    const mc_lazymar_config *lcfg; /* NULL without LazyMAR's head cache */
+    mc_head_cache cache;
+    float *c_emb, *state, *out, *eps, *noise, *eps_delta;
+    const uint32_t *d_images, *d_positions;
+} head_loop;
+
+/* LazyMAR's head cache (lazymar.md 7): full evaluations at the first step
+ * and every head_period-th; in between only the live rows run, skipped
+ * blocks add cached deltas, and eps_uncond = eps_cond - delta. */
+static int head_step_full(const head_loop *h, int j) {
+    return h->lcfg == NULL || j == h->diffusion->n_steps - 1 || j % h->lcfg->head_period == 0;
+}
+
+static mc_head_mode head_step_mode(const head_loop *h, int j) {
+    if (h->lcfg == NULL)
+        return MC_HEAD_PLAIN;
+    if (head_step_full(h, j))
+        return MC_HEAD_STORE;
+    return (double)j > h->lcfg->head_recompute_above * h->diffusion->n_steps ? MC_HEAD_RECOMPUTE
+                                                                            : MC_HEAD_REUSE;
+}
+
+static void head_step_stats(const head_loop *h, int j, mc_head_stats *stats) {
+    const int full = head_step_full(h, j);
+    const int64_t eval_rows = full ? h->rows : h->n;
+    stats->flops += mc_flops_head_eval(&h->mar->config, eval_rows, full ? h->n : eval_rows,
+                                       head_step_mode(h, j), h->lcfg ? h->lcfg->head_skip_first : 0,
+                                       h->lcfg ? h->lcfg->head_skip_last : -1);
+    if (full)
+        stats->full_evaluations++;
+    else
+        stats->cached_evaluations++;
+}
+
+static mc_status head_step(head_loop *h, int j, mc_err *err) {
+    mc_backend *be = h->mar->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t n = h->n, C = h->mar->config.token_channels;
+    const int full = head_step_full(h, j);
+    h->cache.mode = head_step_mode(h, j);
+    MC_TRY(mc_mar_head_forward_cached(h->mar, h->state, full ? h->rows : n, full && h->cfg_on, h->c_emb, j,
+                                      h->out, h->lcfg ? &h->cache : NULL, err));
+    const float *eps_used = h->out;
+    int64_t ld_eps = 2 * C;
+    if (h->cfg_on && full) {
+        MC_TRY(ops->cfg_combine(be, h->out, 2 * C, h->out + n * 2 * C, 2 * C, n, (int)C, h->cfg, h->eps, C,
+                                err));
+        if (h->lcfg) { /* delta = eps_cond - eps_uncond */
+            MC_TRY(ops->axpby(be, 1.0f, h->out, 2 * C, 0.0f, h->eps_delta, C, n, C, err));
+            MC_TRY(ops->axpby(be, -1.0f, h->out + n * 2 * C, 2 * C, 1.0f, h->eps_delta, C, n, C, err));
+        }
+        eps_used = h->eps;
+        ld_eps = C;
+    } else if (h->cfg_on) { /* eps = eps_cond + (cfg - 1) * delta */
+        MC_TRY(ops->axpby(be, 1.0f, h->out, 2 * C, 0.0f, h->eps, C, n, C, err));
+        MC_TRY(ops->axpby(be, h->cfg - 1.0f, h->eps_delta, C, 1.0f, h->eps, C, n, C, err));
+        eps_used = h->eps;
+        ld_eps = C;
+    }
+    float noise_scale = j > 0 ? (float)h->temperature : 0.0f;
+    if (j > 0)
+        MC_TRY(ops->token_normals(be, h->seed, MC_STREAM_HEAD_STEP, (uint32_t)j, h->d_images, h->d_positions, n,
+                                  (int)C, h->noise, err));
+    mc_ddpm_coefs coefs = mc_diffusion_coefs(h->diffusion, j, noise_scale);
+    return ops->ddpm_step(be, h->state, n, (int)C, eps_used, ld_eps, h->out + C, 2 * C, j > 0 ? h->noise : NULL,
+                          &coefs, err);
+}
+
+/* Diffusion steps first..0 recorded as one backend graph and run once (the
+ * graph object is kept in the model and updated in place on the next call,
+ * which is cheaper than building it anew). Returns 0 when the backend has
+ * no graphs or the recording failed: nothing was run then, the caller runs
+ * the steps directly. A recording failure is not an error of the call. */
+static int head_steps_as_graph(head_loop *h, int first, mc_err *err) {
+    mc_backend *be = h->mar->backend;
+    const mc_ops *ops = be->ops;
+    if (ops->capture_begin == NULL || first < 0)
+        return 0;
+    mc_err capture_err = {0};
+    if (ops->capture_begin(be, &capture_err) != MC_OK)
+        return 0;
+    mc_status st = MC_OK;
+    for (int j = first; j >= 0 && st == MC_OK; j--)
+        st = head_step(h, j, &capture_err);
+    void **graph = mc_mar_head_graph(h->mar);
+    if (ops->capture_end(be, graph, st == MC_OK, &capture_err) != MC_OK || st != MC_OK)
+        return 0;
+    return ops->graph_launch(be, *graph, err) == MC_OK ? 1 : -1;
+}
+
 mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
                                 int cfg_on, float cfg, double temperature, uint64_t seed,
                                 const uint32_t *images, const uint32_t *positions, float *x_out,
@@ -63,84 +165,63 @@ mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, cons
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &mar->config;
     const int64_t C = c->token_channels, W = c->head_width;
-    const int64_t rows = cfg_on ? 2 * n : n;
     mc_head_stats local = {0};
     if (stats == NULL)
         stats = &local;
     memset(stats, 0, sizeof *stats);
     if (n == 0)
         return MC_OK;
-    float *c_emb = mc_mar_ws(mar, WS_COND_EMB, (size_t)(rows * W), err);
-    float *state = mc_mar_ws(mar, WS_STATE, (size_t)(n * C), err);
-    float *out = mc_mar_ws(mar, WS_HEAD_OUT, (size_t)(rows * 2 * C), err);
-    float *eps = mc_mar_ws(mar, WS_EPS, (size_t)(n * C), err);
-    float *noise = mc_mar_ws(mar, WS_NOISE, (size_t)(n * C), err);
-    float *eps_delta = mc_mar_ws(mar, WS_EPS_DELTA, (size_t)(n * C), err);
+    head_loop h = {0};
+    h.mar = mar;
+    h.diffusion = diffusion;
+    h.n = n;
+    h.rows = cfg_on ? 2 * n : n;
+    h.cfg_on = cfg_on;
+    h.cfg = cfg;
+    h.temperature = temperature;
+    h.seed = seed;
+    h.c_emb = mc_mar_ws(mar, WS_COND_EMB, (size_t)(h.rows * W), err);
+    h.state = mc_mar_ws(mar, WS_STATE, (size_t)(n * C), err);
+    h.out = mc_mar_ws(mar, WS_HEAD_OUT, (size_t)(h.rows * 2 * C), err);
+    h.eps = mc_mar_ws(mar, WS_EPS, (size_t)(n * C), err);
+    h.noise = mc_mar_ws(mar, WS_NOISE, (size_t)(n * C), err);
+    h.eps_delta = mc_mar_ws(mar, WS_EPS_DELTA, (size_t)(n * C), err);
     uint32_t *d_images = (uint32_t *)mc_mar_ws_index(mar, WSI_IMAGES, (size_t)n, err);
     uint32_t *d_positions = (uint32_t *)mc_mar_ws_index(mar, WSI_POSITIONS, (size_t)n, err);
-    if (!c_emb || !state || !out || !eps || !noise || !eps_delta || !d_images || !d_positions)
+    if (!h.c_emb || !h.state || !h.out || !h.eps || !h.noise || !h.eps_delta || !d_images || !d_positions)
         return err->status;
-    mc_head_cache cache = {0};
+    h.d_images = d_images;
+    h.d_positions = d_positions;
     const mc_lazymar_config *lcfg = lazymar ? mc_lazymar_config_of(lazymar) : NULL;
-    const int head_cache = lcfg != NULL && lcfg->head_cache;
-    if (head_cache)
-        MC_TRY(mc_lazymar_head_cache(lazymar, n, &cache, err));
+    if (lcfg != NULL && lcfg->head_cache) {
+        h.lcfg = lcfg;
+        MC_TRY(mc_lazymar_head_cache(lazymar, n, &h.cache, err));
+    }
     MC_TRY(ops->upload(be, d_images, images, (size_t)n * sizeof(uint32_t), err));
     MC_TRY(ops->upload(be, d_positions, positions, (size_t)n * sizeof(uint32_t), err));
 
-    MC_TRY(mc_mar_head_cond(mar, z, rows, c_emb, err));
-    stats->flops += 2.0 * (double)rows * (double)(c->dec_width * W);
+    MC_TRY(mc_mar_head_cond(mar, z, h.rows, h.c_emb, err));
+    stats->flops += 2.0 * (double)h.rows * (double)(c->dec_width * W);
     /* Initial noise is not scaled by temperature (mar.md 6.5). */
-    MC_TRY(ops->token_normals(be, seed, MC_STREAM_HEAD_INIT, 0, d_images, d_positions, n, (int)C,
-                              state, err));
+    MC_TRY(ops->token_normals(be, seed, MC_STREAM_HEAD_INIT, 0, d_images, d_positions, n, (int)C, h.state,
+                              err));
     const int T = diffusion->n_steps;
-    for (int j = T - 1; j >= 0; j--) {
-        /* LazyMAR's head cache (lazymar.md 7): full evaluations at the first
-         * step and every head_period-th; in between only the live rows run,
-         * skipped blocks add cached deltas, and eps_uncond = eps_cond - delta. */
-        int full = !head_cache || j == T - 1 || j % lcfg->head_period == 0;
-        mc_head_mode mode = MC_HEAD_PLAIN;
-        if (head_cache)
-            mode = full ? MC_HEAD_STORE
-                        : ((double)j > lcfg->head_recompute_above * T ? MC_HEAD_RECOMPUTE : MC_HEAD_REUSE);
-        const int64_t eval_rows = full ? rows : n;
-        cache.mode = mode;
-        MC_TRY(mc_mar_head_forward_cached(mar, state, eval_rows, full && cfg_on, c_emb, j, out,
-                                          head_cache ? &cache : NULL, err));
-        stats->flops += mc_flops_head_eval(c, eval_rows, full ? n : eval_rows, mode,
-                                           head_cache ? lcfg->head_skip_first : 0,
-                                           head_cache ? lcfg->head_skip_last : -1);
-        if (full)
-            stats->full_evaluations++;
-        else
-            stats->cached_evaluations++;
-        const float *eps_used = out;
-        int64_t ld_eps = 2 * C;
-        if (cfg_on && full) {
-            MC_TRY(ops->cfg_combine(be, out, 2 * C, out + n * 2 * C, 2 * C, n, (int)C, cfg, eps, C, err));
-            if (head_cache) { /* delta = eps_cond - eps_uncond */
-                MC_TRY(ops->axpby(be, 1.0f, out, 2 * C, 0.0f, eps_delta, C, n, C, err));
-                MC_TRY(ops->axpby(be, -1.0f, out + n * 2 * C, 2 * C, 1.0f, eps_delta, C, n, C, err));
-            }
-            eps_used = eps;
-            ld_eps = C;
-        } else if (cfg_on) { /* eps = eps_cond + (cfg - 1) * delta */
-            MC_TRY(ops->axpby(be, 1.0f, out, 2 * C, 0.0f, eps, C, n, C, err));
-            MC_TRY(ops->axpby(be, cfg - 1.0f, eps_delta, C, 1.0f, eps, C, n, C, err));
-            eps_used = eps;
-            ld_eps = C;
-        }
-        float noise_scale = j > 0 ? (float)temperature : 0.0f;
-        if (j > 0)
-            MC_TRY(ops->token_normals(be, seed, MC_STREAM_HEAD_STEP, (uint32_t)j, d_images,
-                                      d_positions, n, (int)C, noise, err));
-        mc_ddpm_coefs coefs = mc_diffusion_coefs(diffusion, j, noise_scale);
-        MC_TRY(ops->ddpm_step(be, state, n, (int)C, eps_used, ld_eps, out + C, 2 * C,
-                              j > 0 ? noise : NULL, &coefs, err));
-    }
+    for (int j = T - 1; j >= 0; j--)
+        head_step_stats(&h, j, stats);
+    /* The first step runs directly: it is a full evaluation, so it sizes
+     * every workspace and scratch buffer the later steps use, and the rest
+     * can be recorded without allocating. */
+    MC_TRY(head_step(&h, T - 1, err));
+    int graphed = head_steps_as_graph(&h, T - 2, err);
+    if (graphed < 0)
+        return err->status;
+    stats->graph = graphed;
+    if (!graphed)
+        for (int j = T - 2; j >= 0; j--)
+            MC_TRY(head_step(&h, j, err));
     if (x_out == NULL)
         return MC_OK;
-    return ops->download(be, x_out, state, (size_t)(n * C) * sizeof(float), err);
+    return ops->download(be, x_out, h.state, (size_t)(n * C) * sizeof(float), err);
 }
 
 mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
@@ -340,6 +421,7 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
             .head_evaluations = hstats.full_evaluations + hstats.cached_evaluations,
             .head_cached_evaluations = hstats.cached_evaluations,
             .cache_bytes = lazymar ? (int64_t)mc_lazymar_cache_bytes(lazymar) : 0,
+            .head_graph = hstats.graph,
             .flops = transformer_flops + hstats.flops,
             .seconds = seconds_now() - t0,
             .kept_rows = n_head ? lstats.kept_rows : NULL,

@@ -30,6 +30,7 @@ typedef struct mc_step_info {
     int64_t head_evaluations; /* diffusion steps run */
     int64_t head_cached_evaluations; /* of which ran from the head cache */
     int64_t cache_bytes;      /* bytes held by the cache policy */
+    int head_graph;           /* the head's later diffusion steps ran as a recorded graph */
     const int32_t *kept_rows; /* see mc_lazymar_stats; valid during the callback only */
     int64_t kept_sequences, kept_per_sequence;
     double flops;             /* GEMM + attention FLOPs of this step */
@@ -72,6 +73,7 @@ mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const f
 typedef struct mc_head_stats {
     int64_t full_evaluations, cached_evaluations;
     double flops;
+    int graph; /* 1 when the diffusion steps after the first ran as one recorded graph */
 } mc_head_stats;
 
 /* The head sampler with LazyMAR's head cache when `lazymar` has it on. */

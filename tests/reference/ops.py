@@ -73,6 +73,24 @@ def activation(x, act):
     raise ValueError("unknown activation %r" % (act,))
 
 
+def round_to_wtype(a, wtype):
+    """float32 values of `a` rounded to nearest even in the 16-bit type `wtype`
+    ("bf16", "fp16"; "fp32" leaves them), as returned by a 16-bit linear's operands.
+    fp16 overflows to infinity like IEEE conversion; bf16 keeps the float32 exponent."""
+    a = np.asarray(a, dtype=np.float32)
+    if wtype == "fp32":
+        return a.copy()
+    if wtype == "fp16":
+        with np.errstate(over="ignore"):
+            return a.astype(np.float16).astype(np.float32)
+    if wtype != "bf16":
+        raise ValueError("wtype must be fp32, bf16 or fp16")
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(a), a, out)
+
+
 def linear(x, w, bias=None, act=ACT_NONE, beta=0.0, y=None):
     """y = beta * y + act(x W^T + bias). x [..., in], W [out, in].
 

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../../core/half.h"
 #include "../../core/philox.h"
 #include "cpu_internal.h"
 
@@ -38,14 +39,53 @@ static void apply_act_rows(mc_backend *be, mc_act act, float *y, int64_t ldy, in
     }
 }
 
+/* Scratch slots of linear with 16-bit weights (no op keeps scratch across
+ * calls, so these may overlap other ops' slots). */
+#define MC_LINEAR_W_SLOT 0
+#define MC_LINEAR_X_SLOT 1
+
+/* The float32 values of a 16-bit weight, and x rounded to the same type:
+ * the arithmetic the CUDA backend's 16-bit GEMM does, with products summed
+ * in float32. Slower than float32 on a CPU; it exists so the 16-bit
+ * numerics can be checked (and the GPU path compared) anywhere. */
+static mc_status widen_linear_operands(mc_backend *be, const float *x, int64_t ldx, int64_t rows,
+                                       int64_t in, const void *w, int64_t out, const float **x_used,
+                                       const float **w_used, mc_err *err) {
+    const mc_wtype wt = be->linear_wtype;
+    float *wf = mc_cpu_scratch(be, MC_LINEAR_W_SLOT, (size_t)(out * in), err);
+    float *xf = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in), err);
+    if (wf == NULL || xf == NULL)
+        return err->status;
+    const uint16_t *wh = w;
+    const int threads = mc_cpu_threads(be);
+#pragma omp parallel for schedule(static) num_threads(threads) if (out * in >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < out * in; i++)
+        wf[i] = wt == MC_WTYPE_BF16 ? mc_bf16_to_f32(wh[i]) : mc_f16_to_f32(wh[i]);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * in >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < in; i++) {
+            float v = x[r * ldx + i];
+            xf[r * in + i] = wt == MC_WTYPE_BF16 ? mc_bf16_to_f32(mc_f32_to_bf16(v))
+                                                 : mc_f16_to_f32(mc_f32_to_f16(v));
+        }
+    *x_used = xf;
+    *w_used = wf;
+    return MC_OK;
+}
+
 mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                        const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                        const void *w, const float *bias, int64_t out, mc_act act, float beta,
                         float *y, int64_t ldy, mc_err *err) {
-    (void)be;
     if (rows == 0)
         return MC_OK;
     if (beta != 0.0f && act != MC_ACT_NONE)
         return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
+    const float *xg = x, *wg = w;
+    int64_t ldxg = ldx;
+    if (be->linear_wtype != MC_WTYPE_F32) {
+        MC_TRY(widen_linear_operands(be, x, ldx, rows, in, w, out, &xg, &wg, err));
+        ldxg = in;
+    }
     /* Bias first, then GEMM with beta = 1, so the bias costs one pass. */
     if (bias != NULL) {
 #pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * out >= MC_PARALLEL_MIN_ELEMS)
@@ -60,7 +100,7 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         }
         beta = 1.0f;
     }
-    mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy);
+    mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, rows, out, in, 1.0f, xg, ldxg, wg, in, beta, y, ldy);
     apply_act_rows(be, act, y, ldy, rows, out);
     return MC_OK;
 }

@@ -20,7 +20,7 @@ mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64
                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
                       float beta, float *c, int64_t ldc, mc_err *err);
 mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                        const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                        const void *w, const float *bias, int64_t out, mc_act act, float beta,
                         float *y, int64_t ldy, mc_err *err);
 mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
                            const float *w, const float *b, float eps, const float *shift,

@@ -3,8 +3,10 @@
  * run-time facts build_info() reports, and the op table.
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle bound
- * to that stream. Every op is enqueued on the stream; only upload and
- * download wait for it (they hand host memory back to the caller). */
+ * to that stream. Every op is enqueued on the stream; only download and
+ * large uploads wait for it (they hand host memory back to the caller).
+ * Small uploads (the AR loop's index lists) are copied into a pinned ring
+ * and enqueued, so the loop does not stall the stream for them. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +29,11 @@ mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err) {
 }
 
 mc_status mc_cuda_enter(mc_backend *be, mc_err *err) {
+    /* Only switch when needed: the common case costs one cheap query, and a
+     * graph recording never sees a context switch. */
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == cuda_st(be)->device)
+        return MC_OK;
     MC_CUDA_TRY(cudaSetDevice(cuda_st(be)->device), err);
     return MC_OK;
 }
@@ -99,6 +106,11 @@ static cudaError_t pool_malloc(cuda_state *st, void **p, size_t bytes) {
 
 static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
     cuda_state *st = cuda_st(be);
+    if (st->capturing) {
+        st->capture_failed = 1;
+        mc_fail(err, MC_ERR_INTERNAL, "cuda: allocation of %zu bytes while recording a graph", bytes);
+        return NULL;
+    }
     if (mc_cuda_enter(be, err) != MC_OK)
         return NULL;
     /* A request larger than the whole device is refused here: the driver's
@@ -134,6 +146,13 @@ static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
 
 static void cuda_release(mc_backend *be, void *ptr) {
     cuda_state *st = cuda_st(be);
+    if (ptr != NULL && st->capturing) {
+        st->capture_failed = 1; /* nothing in a recorded step should free memory */
+        if (st->deferred_count < (int)(sizeof st->deferred_free / sizeof st->deferred_free[0])) {
+            st->deferred_free[st->deferred_count++] = ptr;
+            return;
+        }
+    }
     if (ptr == NULL || cudaSetDevice(st->device) != cudaSuccess) {
         (void)cudaGetLastError();
         return;
@@ -161,17 +180,44 @@ void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err) {
     return st->scratch[slot];
 }
 
-/* Host memory is returned to the caller when upload returns, so it waits
- * for the copy: cudaMemcpyAsync from pageable memory may return before the
- * bytes are read, and from pinned memory it always does. */
+/* Host memory is returned to the caller when upload returns: a small upload
+ * is first copied into the pinned ring (the ring slot then stays untouched
+ * until the stream has passed its copy), a large one waits for its copy
+ * (cudaMemcpyAsync from pageable memory may return before the bytes are
+ * read). Uploads up to this size go through the pinned staging ring; larger ones
+ * (weights at load, token batches) copy and wait. */
+#define MC_CUDA_STAGING_BYTES ((size_t)8 << 20)
+#define MC_CUDA_STAGED_MAX (MC_CUDA_STAGING_BYTES / 8)
+
 static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, size_t bytes,
                              mc_err *err) {
     cuda_state *st = cuda_st(be);
     if (bytes == 0)
         return MC_OK;
+    if (st->capturing) {
+        st->capture_failed = 1;
+        return mc_fail(err, MC_ERR_INTERNAL, "cuda: upload while recording a graph");
+    }
     MC_TRY(mc_cuda_enter(be, err));
+    if (bytes <= MC_CUDA_STAGED_MAX) {
+        if (st->staging == NULL)
+            MC_CUDA_TRY(cudaMallocHost((void **)&st->staging, MC_CUDA_STAGING_BYTES), err);
+        const size_t aligned = (bytes + 255) & ~(size_t)255;
+        if (st->staging_used + aligned > MC_CUDA_STAGING_BYTES) {
+            /* Every copy out of the ring so far must have left it before
+             * its bytes are overwritten: one wait per 8 MB staged. */
+            MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+            st->staging_used = 0;
+        }
+        char *slot = st->staging + st->staging_used;
+        memcpy(slot, host_src, bytes);
+        st->staging_used += aligned;
+        MC_CUDA_TRY(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, st->stream), err);
+        return MC_OK;
+    }
     MC_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st->stream), err);
     MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    st->staging_used = 0; /* the stream is idle: the whole ring is free */
     return MC_OK;
 }
 
@@ -180,10 +226,15 @@ static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, 
     cuda_state *st = cuda_st(be);
     if (bytes == 0)
         return MC_OK;
+    if (st->capturing) {
+        st->capture_failed = 1;
+        return mc_fail(err, MC_ERR_INTERNAL, "cuda: download while recording a graph");
+    }
     MC_TRY(mc_cuda_enter(be, err));
     MC_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st->stream), err);
     /* Also where a fault of an earlier kernel on the stream is reported. */
     MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    st->staging_used = 0;
     return MC_OK;
 }
 
@@ -194,6 +245,84 @@ static mc_status cuda_copy(mc_backend *be, void *dst, const void *src, size_t by
     MC_TRY(mc_cuda_enter(be, err));
     MC_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st->stream), err);
     return MC_OK;
+}
+
+/* ---- graphs ------------------------------------------------------------- */
+
+/* Thread-local capture mode: a call on this thread that would synchronise
+ * (cudaMalloc, a blocking copy) invalidates the recording instead of
+ * running outside it, and other threads' CUDA work is unaffected. */
+static mc_status cuda_capture_begin(mc_backend *be, mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    if (!st->graphs_enabled)
+        return mc_fail(err, MC_ERR_INTERNAL, "cuda: graphs are off (MARCACHE_CUDA_GRAPHS=0)");
+    if (st->capturing)
+        return mc_fail(err, MC_ERR_INTERNAL, "cuda: a graph is already being recorded");
+    MC_TRY(mc_cuda_enter(be, err));
+    MC_CUDA_TRY(cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal), err);
+    st->capturing = 1;
+    st->capture_failed = 0;
+    st->deferred_count = 0;
+    return MC_OK;
+}
+
+static mc_status cuda_capture_end(mc_backend *be, void **graph, int keep, mc_err *err) {
+    cuda_state *st = cuda_st(be);
+    cudaGraph_t recorded = NULL;
+    cudaError_t code = cudaStreamEndCapture(st->stream, &recorded);
+    st->capturing = 0;
+    for (int i = 0; i < st->deferred_count; i++)
+        cuda_release(be, st->deferred_free[i]);
+    st->deferred_count = 0;
+    if (code != cudaSuccess || recorded == NULL || !keep || st->capture_failed) {
+        if (recorded != NULL)
+            (void)cudaGraphDestroy(recorded);
+        (void)cudaGetLastError();
+        if (code != cudaSuccess)
+            return mc_cuda_fail(code, "cudaStreamEndCapture", err);
+        return mc_fail(err, MC_ERR_INTERNAL, "cuda: graph recording discarded");
+    }
+    cudaGraphExec_t exec = (cudaGraphExec_t)*graph;
+    if (exec != NULL) {
+        /* Same op sequence as last time with other sizes or pointers: the
+         * parameters are patched in place. Another topology (cuBLAS chose
+         * other kernels, say) is rejected and the graph is built anew. */
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(exec, recorded, &info) != cudaSuccess) {
+            (void)cudaGetLastError();
+            (void)cudaGraphExecDestroy(exec);
+            exec = NULL;
+            *graph = NULL;
+        }
+    }
+    if (exec == NULL) {
+        code = cudaGraphInstantiate(&exec, recorded, 0);
+        if (code != cudaSuccess) {
+            (void)cudaGraphDestroy(recorded);
+            return mc_cuda_fail(code, "cudaGraphInstantiate", err);
+        }
+        *graph = exec;
+    }
+    (void)cudaGraphDestroy(recorded);
+    return MC_OK;
+}
+
+static mc_status cuda_graph_launch(mc_backend *be, void *graph, mc_err *err) {
+    MC_TRY(mc_cuda_enter(be, err));
+    MC_CUDA_TRY(cudaGraphLaunch((cudaGraphExec_t)graph, cuda_st(be)->stream), err);
+    return MC_OK;
+}
+
+static void cuda_graph_free(mc_backend *be, void *graph) {
+    cuda_state *st = cuda_st(be);
+    if (graph == NULL || cudaSetDevice(st->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    /* A launched graph may still be running: destroy after it. */
+    (void)cudaStreamSynchronize(st->stream);
+    (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
+    (void)cudaGetLastError();
 }
 
 /* ---- lifetime ----------------------------------------------------------- */
@@ -210,8 +339,12 @@ static void cuda_free_state(cuda_state *st) {
                                         : cudaFree(st->scratch[i]));
         if (st->stream != NULL)
             (void)cudaStreamSynchronize(st->stream);
+        if (st->staging != NULL)
+            (void)cudaFreeHost(st->staging);
         if (st->blas != NULL)
             (void)cublasDestroy(st->blas);
+        if (st->blas_workspace != NULL)
+            (void)cudaFree(st->blas_workspace);
         /* Blocks a model never released keep the pool alive until they are
          * freed (cudaMemPoolDestroy defers); nothing leaks on our side. */
         if (st->pool != NULL)
@@ -260,6 +393,10 @@ static mc_ops make_cuda_ops(void) {
     ops.avg_pool2d = mc_cuda_avg_pool2d;
     ops.max_pool2d = mc_cuda_max_pool2d;
     ops.resize_bilinear_tf1 = mc_cuda_resize_bilinear_tf1;
+    ops.capture_begin = cuda_capture_begin;
+    ops.capture_end = cuda_capture_end;
+    ops.graph_launch = cuda_graph_launch;
+    ops.graph_free = cuda_graph_free;
     return ops;
 }
 
@@ -301,6 +438,13 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     MC_CUBLAS_TRY(cublasSetMathMode(st->blas, CUBLAS_DEFAULT_MATH), err);
     /* No atomics: the same inputs give the same bits on the same device. */
     MC_CUBLAS_TRY(cublasSetAtomicsMode(st->blas, CUBLAS_ATOMICS_NOT_ALLOWED), err);
+    /* A workspace of our own (32 MiB, what cuBLAS asks for on Hopper), so
+     * GEMMs recorded into a graph never allocate. */
+    const size_t workspace_bytes = (size_t)32 << 20;
+    MC_CUDA_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), err);
+    MC_CUBLAS_TRY(cublasSetWorkspace(st->blas, st->blas_workspace, workspace_bytes), err);
+    const char *graphs = getenv("MARCACHE_CUDA_GRAPHS");
+    st->graphs_enabled = !(graphs != NULL && strcmp(graphs, "0") == 0);
     return MC_OK;
 }
 

@@ -7,6 +7,8 @@
  * So C = op(A) op(B) in row-major is C^T = op(B)^T op(A)^T in column-major:
  * cuBLAS gets (B, A) swapped, m and n swapped, and each keeps its own
  * transpose flag. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <limits.h>
 #include <math.h>
 
@@ -65,6 +67,21 @@ __global__ void relu_kernel(float *y, int64_t ldy, int64_t rows, int64_t cols) {
     }
 }
 
+/* x [rows, in] (row stride ldx) -> contiguous 16-bit copy, rounded to
+ * nearest even (the host's mc_f32_to_bf16 / mc_f32_to_f16 give the same
+ * bits, so the CPU emulation of a 16-bit linear sees the same operands). */
+__device__ __forceinline__ void store_rounded(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_rounded(__half *p, float v) { *p = __float2half_rn(v); }
+
+template <typename T>
+__global__ void round_rows_kernel(const float *x, int64_t ldx, int64_t rows, int64_t in, T *out) {
+    const int64_t n = rows * in;
+    MC_GRID_STRIDE_LOOP(i, n) {
+        int64_t r = i / in, c = i - r * in;
+        store_rounded(out + i, x[r * ldx + c]);
+    }
+}
+
 /* ---- host side ----------------------------------------------------------- */
 
 mc_status mc_cuda_prefill_bias(mc_backend *be, float *y, int64_t rows, int64_t cols, int64_t ldy,
@@ -120,19 +137,59 @@ mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int6
     return mc_cuda_sgemm(be, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err);
 }
 
+/* y = beta * y + x W^T with W of the backend's 16-bit weight type: x is
+ * rounded to that type into scratch, cuBLAS multiplies the 16-bit operands
+ * on the tensor cores and sums in float32 into the float32 y (autocast's
+ * arithmetic). */
+static mc_status gemm_16bit_weights(mc_backend *be, const float *x, int64_t ldx, int64_t rows,
+                                    int64_t in, const void *w, int64_t out, float beta, float *y,
+                                    int64_t ldy, mc_err *err) {
+    if (!fits_int(rows) || !fits_int(in) || !fits_int(out) || !fits_int(ldy))
+        return mc_fail(err, MC_ERR_VALUE,
+                       "cuda linear: sizes rows=%lld in=%lld out=%lld exceed cuBLAS's 32-bit "
+                       "arguments",
+                       (long long)rows, (long long)in, (long long)out);
+    cuda_state *st = cuda_st(be);
+    const int bf16 = be->linear_wtype == MC_WTYPE_BF16;
+    void *x16 = mc_cuda_scratch(be, MC_CUDA_SLOT_HALF_X, (size_t)(rows * in) * 2, err);
+    if (x16 == NULL)
+        return err->status;
+    const unsigned blocks = mc_cuda_blocks(rows * in, MC_CUDA_THREADS);
+    if (bf16)
+        round_rows_kernel<<<blocks, MC_CUDA_THREADS, 0, st->stream>>>(x, ldx, rows, in,
+                                                                      (__nv_bfloat16 *)x16);
+    else
+        round_rows_kernel<<<blocks, MC_CUDA_THREADS, 0, st->stream>>>(x, ldx, rows, in,
+                                                                      (__half *)x16);
+    MC_CUDA_LAUNCHED("round_rows_16bit_kernel", err);
+    const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float alpha = 1.0f;
+    /* Row-major y[rows, out] = x16 W^T is column-major y^T = W x16^T:
+     * W [out, in] row-major is column-major [in, out], so op(W) = T. */
+    MC_CUBLAS_TRY(cublasGemmEx(st->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)rows, (int)in,
+                               &alpha, w, type, (int)in, x16, type, (int)in, &beta, y, CUDA_R_32F,
+                               (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                  err);
+    return MC_OK;
+}
+
 /* y = beta * y + act(x W^T + bias). The GEMM writes (beta = 0) or adds onto
  * (beta = 1) y; one epilogue pass then adds the bias and applies the
  * activation. cuBLASLt's GELU epilogue is the tanh approximation, not the
  * erf form the models use, so the epilogue is ours. */
 mc_status mc_cuda_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                         const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                         const void *w, const float *bias, int64_t out, mc_act act, float beta,
                          float *y, int64_t ldy, mc_err *err) {
     if (rows == 0 || out == 0)
         return MC_OK;
     if (beta != 0.0f && act != MC_ACT_NONE)
         return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
     MC_TRY(mc_cuda_enter(be, err));
-    MC_TRY(mc_cuda_sgemm(be, 0, 1, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy, err));
+    if (be->linear_wtype == MC_WTYPE_F32 || in == 0)
+        MC_TRY(mc_cuda_sgemm(be, 0, 1, rows, out, in, 1.0f, x, ldx, (const float *)w, in, beta, y,
+                             ldy, err));
+    else
+        MC_TRY(gemm_16bit_weights(be, x, ldx, rows, in, w, out, beta, y, ldy, err));
     if (bias == NULL && act == MC_ACT_NONE)
         return MC_OK;
     bias_act_kernel<<<mc_cuda_blocks(rows * out, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,

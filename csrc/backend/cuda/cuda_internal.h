@@ -4,7 +4,8 @@
  * the table in cuda_backend.cu points to.
  *
  * Everything is fp32, row-major, in the backend's stream; ops never
- * synchronise except upload/download (which hand host memory back). */
+ * synchronise except download and large uploads (which hand host memory
+ * back); small uploads are staged through pinned memory and only enqueued. */
 #ifndef MC_CUDA_INTERNAL_H
 #define MC_CUDA_INTERNAL_H
 
@@ -27,6 +28,7 @@ extern "C" {
 enum {
     MC_CUDA_SLOT_COLUMNS = 0, /* im2col chunks of conv2d / conv2d_ex */
     MC_CUDA_SLOT_STATS = 1,   /* groupnorm partial sums, attention_mass row statistics */
+    MC_CUDA_SLOT_HALF_X = 2,  /* linear's input rounded to the 16-bit weight type */
 };
 
 typedef struct cuda_state {
@@ -39,6 +41,23 @@ typedef struct cuda_state {
      * alloc falls back to cudaMalloc / cudaFree. */
     cudaMemPool_t pool;
     int naive; /* run the reference kernels (mc_cuda_set_naive) */
+    /* Pinned staging ring for small uploads (index lists, per-step vectors):
+     * the host bytes are copied here and the copy to the device is only
+     * enqueued, so an upload inside the AR loop does not wait for the
+     * stream. staging_used bytes have been handed out since the last stream
+     * synchronisation; the ring wraps only after one (cuda_backend.cu). */
+    char *staging;
+    size_t staging_used;
+    /* Graph recording (capture_begin .. capture_end). graphs_enabled is off
+     * with MARCACHE_CUDA_GRAPHS=0 (for comparisons and debugging). During a
+     * recording alloc/upload/download fail and release is deferred until the
+     * recording ends, since a recorded free would run at every replay. */
+    int graphs_enabled;
+    int capturing;
+    int capture_failed;
+    void *deferred_free[32];
+    int deferred_count;
+    void *blas_workspace; /* explicit cuBLAS workspace: recordable GEMMs */
     size_t total_mem; /* the device's global memory, for requests that can never fit */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
     size_t scratch_bytes[MC_CUDA_SCRATCH_SLOTS];
@@ -158,7 +177,7 @@ mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int6
                        float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
                        float beta, float *c, int64_t ldc, mc_err *err);
 mc_status mc_cuda_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                         const float *w, const float *bias, int64_t out, mc_act act, float beta,
+                         const void *w, const float *bias, int64_t out, mc_act act, float beta,
                          float *y, int64_t ldy, mc_err *err);
 mc_status mc_cuda_activation(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
                              int64_t dim, mc_err *err);

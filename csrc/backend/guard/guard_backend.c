@@ -1,0 +1,415 @@
+/* The guard backend: the CPU backend's ops over memory that the host cannot
+ * touch between ops (see mc_backend_guard_create in ops.h).
+ *
+ * All buffers come from one reserved address range, handed out in page
+ * multiples from the bottom up and never reused, so a stale pointer never
+ * lands in a live buffer. The range is PROT_NONE except while one of this
+ * backend's entry points runs: each one opens the used part read-write,
+ * calls the CPU op on the inner CPU backend and closes it again. A model
+ * that reads or writes a backend buffer from host code therefore faults on
+ * the spot (SIGSEGV), where the CUDA backend would have read garbage or
+ * crashed later. Freed buffers are given back to the kernel (MADV_DONTNEED)
+ * but keep their addresses.
+ *
+ * Graphs are emulated with CUDA's semantics, so the head sampler's recorded
+ * path runs in CI: during a recording the ops run at once (a CUDA graph
+ * would run them at launch, right after, on the same memory), allocation,
+ * upload and download fail the recording as they do on CUDA, and a failed
+ * or discarded recording restores every buffer from a snapshot taken at
+ * capture_begin, as if nothing had run (on CUDA nothing has). */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "../cpu/cpu_internal.h"
+
+/* Virtual address space reserved per backend; nothing is committed until a
+ * page is touched. The tests' models need a few hundred MB in all. */
+#define GUARD_RESERVE_BYTES ((size_t)16 << 30)
+
+typedef struct guard_block {
+    char *ptr;
+    size_t bytes;
+} guard_block;
+
+typedef struct guard_state {
+    mc_backend *cpu; /* the inner CPU backend the ops run on */
+    char *base;      /* the reservation */
+    size_t used;     /* bytes handed out from base (page multiple) */
+    size_t page;
+    int open_depth;  /* nested entry points open the range once */
+    guard_block *blocks; /* live and freed buffers in address order */
+    size_t block_count, block_capacity;
+    /* graph recording emulation */
+    int capturing, capture_failed;
+    long fail_recording_at; /* test hook: the op of a recording that fails (0: none) */
+    long recorded_ops;
+    char *snapshot; /* the used range at capture_begin */
+    void *deferred_free[32];
+    int deferred_count;
+} guard_state;
+
+static guard_state *guard_st(mc_backend *be) { return (guard_state *)be->impl; }
+
+static mc_status guard_open(mc_backend *be, mc_err *err) {
+    guard_state *gs = guard_st(be);
+    if (gs->capturing && gs->open_depth == 0 && ++gs->recorded_ops == gs->fail_recording_at) {
+        gs->capture_failed = 1;
+        return mc_fail(err, MC_ERR_INTERNAL, "guard backend: op %ld of the recording fails (test hook)",
+                       gs->recorded_ops);
+    }
+    /* The op reads and writes in the weight type the guard was given. */
+    gs->cpu->linear_wtype = be->linear_wtype;
+    if (gs->open_depth++ > 0 || gs->used == 0)
+        return MC_OK;
+    if (mprotect(gs->base, gs->used, PROT_READ | PROT_WRITE) != 0) {
+        gs->open_depth--;
+        return mc_fail(err, MC_ERR_INTERNAL, "guard backend: mprotect(read-write) of %zu bytes failed",
+                       gs->used);
+    }
+    return MC_OK;
+}
+
+static void guard_close(mc_backend *be) {
+    guard_state *gs = guard_st(be);
+    /* PROT_NONE on memory we own cannot fail short of a kernel bug; if it
+     * did, the guard would only catch less. */
+    if (--gs->open_depth == 0 && gs->used > 0)
+        (void)mprotect(gs->base, gs->used, PROT_NONE);
+}
+
+/* Allocation, upload and download are not recordable (CUDA refuses them in
+ * a graph recording too): they fail the recording. */
+static mc_status refuse_while_recording(guard_state *gs, const char *what, mc_err *err) {
+    if (!gs->capturing)
+        return MC_OK;
+    gs->capture_failed = 1;
+    return mc_fail(err, MC_ERR_INTERNAL, "guard backend: %s while recording a graph", what);
+}
+
+static void *guard_alloc(mc_backend *be, size_t bytes, mc_err *err) {
+    guard_state *gs = guard_st(be);
+    if (refuse_while_recording(gs, "allocation", err) != MC_OK)
+        return NULL;
+    size_t rounded = (bytes + gs->page - 1) / gs->page * gs->page;
+    if (rounded == 0)
+        rounded = gs->page;
+    if (rounded < bytes || rounded > GUARD_RESERVE_BYTES - gs->used) {
+        mc_fail(err, MC_ERR_NOMEM,
+                "guard backend: cannot allocate %zu bytes (%zu of its %zu reserved bytes are used)",
+                bytes, gs->used, GUARD_RESERVE_BYTES);
+        return NULL;
+    }
+    if (gs->block_count == gs->block_capacity) {
+        size_t fresh = gs->block_capacity ? 2 * gs->block_capacity : 256;
+        guard_block *moved = realloc(gs->blocks, fresh * sizeof *moved);
+        if (moved == NULL) {
+            mc_fail(err, MC_ERR_NOMEM, "guard backend: cannot grow its block list to %zu entries", fresh);
+            return NULL;
+        }
+        gs->blocks = moved;
+        gs->block_capacity = fresh;
+    }
+    char *p = gs->base + gs->used;
+    gs->used += rounded;
+    gs->blocks[gs->block_count++] = (guard_block){p, rounded};
+    /* A freshly handed-out range must follow the current protection. */
+    if (gs->open_depth > 0 && mprotect(p, rounded, PROT_READ | PROT_WRITE) != 0) {
+        mc_fail(err, MC_ERR_INTERNAL, "guard backend: mprotect of a new block failed");
+        return NULL;
+    }
+    return p;
+}
+
+static void guard_release(mc_backend *be, void *ptr) {
+    guard_state *gs = guard_st(be);
+    if (ptr == NULL)
+        return;
+    if (gs->capturing) { /* deferred, as on CUDA: a recorded free would run at every replay */
+        gs->capture_failed = 1;
+        if (gs->deferred_count < (int)(sizeof gs->deferred_free / sizeof gs->deferred_free[0])) {
+            gs->deferred_free[gs->deferred_count++] = ptr;
+            return;
+        }
+    }
+    size_t lo = 0, hi = gs->block_count;
+    while (lo < hi) { /* blocks are in address order: binary search */
+        size_t mid = lo + (hi - lo) / 2;
+        if (gs->blocks[mid].ptr < (char *)ptr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < gs->block_count && gs->blocks[lo].ptr == (char *)ptr && gs->blocks[lo].bytes > 0) {
+        (void)madvise(ptr, gs->blocks[lo].bytes, MADV_DONTNEED);
+        gs->blocks[lo].bytes = 0; /* freed: a second release is ignored */
+    }
+}
+
+static void guard_destroy(mc_backend *be) {
+    guard_state *gs = guard_st(be);
+    free(gs->snapshot);
+    munmap(gs->base, GUARD_RESERVE_BYTES);
+    mc_backend_destroy(gs->cpu);
+    free(gs->blocks);
+    free(gs);
+    free(be);
+}
+
+static mc_status guard_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    MC_TRY(guard_open(be, err));
+    if (bytes)
+        memmove(dst, src, bytes);
+    guard_close(be);
+    return MC_OK;
+}
+
+static mc_status guard_upload(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    MC_TRY(refuse_while_recording(guard_st(be), "upload", err));
+    return guard_copy(be, dst, src, bytes, err);
+}
+
+static mc_status guard_download(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    MC_TRY(refuse_while_recording(guard_st(be), "download", err));
+    return guard_copy(be, dst, src, bytes, err);
+}
+
+/* Copies the used range to or from the snapshot (to_snapshot != 0: save). */
+static mc_status snapshot_copy(mc_backend *be, int to_snapshot, mc_err *err) {
+    guard_state *gs = guard_st(be);
+    MC_TRY(guard_open(be, err));
+    if (to_snapshot)
+        memcpy(gs->snapshot, gs->base, gs->used);
+    else
+        memcpy(gs->base, gs->snapshot, gs->used);
+    guard_close(be);
+    return MC_OK;
+}
+
+static mc_status guard_capture_begin(mc_backend *be, mc_err *err) {
+    guard_state *gs = guard_st(be);
+    if (gs->capturing)
+        return mc_fail(err, MC_ERR_INTERNAL, "guard backend: a graph is already being recorded");
+    free(gs->snapshot);
+    gs->snapshot = malloc(gs->used ? gs->used : 1);
+    if (gs->snapshot == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "guard backend: cannot snapshot %zu bytes for a recording", gs->used);
+    MC_TRY(snapshot_copy(be, 1, err));
+    gs->capturing = 1;
+    gs->capture_failed = 0;
+    gs->deferred_count = 0;
+    gs->recorded_ops = 0;
+    return MC_OK;
+}
+
+static mc_status guard_capture_end(mc_backend *be, void **graph, int keep, mc_err *err) {
+    guard_state *gs = guard_st(be);
+    gs->capturing = 0;
+    mc_status st = MC_OK;
+    if (!keep || gs->capture_failed) {
+        /* Nothing may have run: put every buffer back as it was. */
+        st = snapshot_copy(be, 0, err);
+        if (st == MC_OK)
+            st = mc_fail(err, MC_ERR_INTERNAL, "guard backend: graph recording discarded");
+    } else {
+        *graph = gs; /* any non-NULL handle: the ops have run already */
+    }
+    free(gs->snapshot);
+    gs->snapshot = NULL;
+    for (int i = 0; i < gs->deferred_count; i++)
+        guard_release(be, gs->deferred_free[i]);
+    gs->deferred_count = 0;
+    return st;
+}
+
+static mc_status guard_graph_launch(mc_backend *be, void *graph, mc_err *err) {
+    (void)be;
+    (void)graph;
+    (void)err;
+    return MC_OK;
+}
+
+static void guard_graph_free(mc_backend *be, void *graph) {
+    (void)be;
+    (void)graph;
+}
+
+/* One wrapper per op: open the range, run the CPU op on the inner backend,
+ * close it. `params` is the op's parameter list with `be` first and `err`
+ * last; `args` passes them on with the inner backend. */
+#define GUARDED(name, params, args)                          \
+    static mc_status guard_##name params {                    \
+        MC_TRY(guard_open(be, err));                          \
+        mc_backend *inner = guard_st(be)->cpu;                \
+        mc_status st = mc_cpu_##name args;                    \
+        guard_close(be);                                      \
+        return st;                                            \
+    }
+
+GUARDED(gemm,
+        (mc_backend *be, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+         int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc, mc_err *err),
+        (inner, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err))
+GUARDED(linear,
+        (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in, const void *w,
+         const float *bias, int64_t out, mc_act act, float beta, float *y, int64_t ldy, mc_err *err),
+        (inner, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, err))
+GUARDED(layernorm,
+        (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim, const float *w,
+         const float *b, float eps, const float *shift, const float *scale, int64_t ld_mod, float *y,
+         int64_t ldy, mc_err *err),
+        (inner, x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, y, ldy, err))
+GUARDED(activation, (mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows, int64_t dim, mc_err *err),
+        (inner, act, x, ld, rows, dim, err))
+GUARDED(add_rows,
+        (mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim, const float *v, int64_t ldv,
+         int64_t period, mc_err *err),
+        (inner, y, ldy, rows, dim, v, ldv, period, err))
+GUARDED(gated_add,
+        (mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu, const float *gate,
+         int64_t ldg, int64_t rows, int64_t dim, mc_err *err),
+        (inner, y, ldy, u, ldu, gate, ldg, rows, dim, err))
+GUARDED(gather_rows,
+        (mc_backend *be, const float *src, int64_t lds, const int32_t *idx, int64_t rows, int64_t dim,
+         float *dst, int64_t ldd, mc_err *err),
+        (inner, src, lds, idx, rows, dim, dst, ldd, err))
+GUARDED(scatter_rows,
+        (mc_backend *be, const float *src, int64_t lds, const int32_t *idx, int64_t rows, int64_t dim,
+         float *dst, int64_t ldd, mc_err *err),
+        (inner, src, lds, idx, rows, dim, dst, ldd, err))
+GUARDED(attention,
+        (mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim, float scale, const float *q,
+         int64_t ldq, int64_t q_bstride, const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
+         int64_t o_bstride, mc_err *err),
+        (inner, batch, nq, heads, head_dim, scale, q, ldq, q_bstride, segs, nsegs, out, ldo, o_bstride,
+         err))
+GUARDED(groupnorm,
+        (mc_backend *be, const float *x, int64_t batch, int64_t hw, int64_t channels, int groups,
+         const float *w, const float *b, float eps, int swish, float *y, mc_err *err),
+        (inner, x, batch, hw, channels, groups, w, b, eps, swish, y, err))
+GUARDED(conv2d,
+        (mc_backend *be, const float *x, int64_t batch, int64_t height, int64_t width, int64_t cin,
+         const float *w, const float *bias, int64_t cout, int ksize, float beta, float *y, mc_err *err),
+        (inner, x, batch, height, width, cin, w, bias, cout, ksize, beta, y, err))
+GUARDED(upsample_nearest2x,
+        (mc_backend *be, const float *x, int64_t batch, int64_t height, int64_t width, int64_t channels,
+         float *y, mc_err *err),
+        (inner, x, batch, height, width, channels, y, err))
+GUARDED(cfg_combine,
+        (mc_backend *be, const float *cond, int64_t ldc, const float *uncond, int64_t ldu, int64_t rows,
+         int channels, float scale, float *out, int64_t ldo, mc_err *err),
+        (inner, cond, ldc, uncond, ldu, rows, channels, scale, out, ldo, err))
+GUARDED(ddpm_step,
+        (mc_backend *be, float *x, int64_t rows, int channels, const float *eps, int64_t ld_eps,
+         const float *v, int64_t ld_v, const float *noise, const mc_ddpm_coefs *coefs, mc_err *err),
+        (inner, x, rows, channels, eps, ld_eps, v, ld_v, noise, coefs, err))
+GUARDED(token_normals,
+        (mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step, const uint32_t *image,
+         const uint32_t *position, int64_t rows, int channels, float *out, mc_err *err),
+        (inner, seed, stream, step, image, position, rows, channels, out, err))
+GUARDED(axpby,
+        (mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y, int64_t ldy,
+         int64_t rows, int64_t cols, mc_err *err),
+        (inner, a, x, ldx, b, y, ldy, rows, cols, err))
+GUARDED(cosine_rows,
+        (mc_backend *be, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t rows,
+         int heads, int head_dim, float *out, mc_err *err),
+        (inner, a, lda, b, ldb, rows, heads, head_dim, out, err))
+GUARDED(attention_mass,
+        (mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim, float scale, const float *q,
+         int64_t ldq, int64_t q_bstride, const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
+         float *out, mc_err *err),
+        (inner, batch, nq, heads, head_dim, scale, q, ldq, q_bstride, k, ldk, k_bstride, keys, out, err))
+GUARDED(conv2d_ex,
+        (mc_backend *be, const mc_window2d *g, const float *x, int64_t cin, int64_t ldx, const float *w,
+         const float *bias, int64_t cout, float beta, int relu, float *y, int64_t ldy, mc_err *err),
+        (inner, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err))
+GUARDED(avg_pool2d,
+        (mc_backend *be, const mc_window2d *g, const float *x, int64_t channels, int64_t ldx,
+         int count_include_pad, float *y, int64_t ldy, mc_err *err),
+        (inner, g, x, channels, ldx, count_include_pad, y, ldy, err))
+GUARDED(max_pool2d,
+        (mc_backend *be, const mc_window2d *g, const float *x, int64_t channels, int64_t ldx, float *y,
+         int64_t ldy, mc_err *err),
+        (inner, g, x, channels, ldx, y, ldy, err))
+GUARDED(resize_bilinear_tf1,
+        (mc_backend *be, const void *x, mc_pixel_type type, int64_t batch, int64_t in_h, int64_t in_w,
+         int64_t channels, int64_t out_h, int64_t out_w, int normalize, float *y, mc_err *err),
+        (inner, x, type, batch, in_h, in_w, channels, out_h, out_w, normalize, y, err))
+
+static const mc_ops guard_ops = {
+    .name = "guard",
+    .destroy = guard_destroy,
+    .alloc = guard_alloc,
+    .release = guard_release,
+    .upload = guard_upload,
+    .download = guard_download,
+    .copy = guard_copy,
+    .gemm = guard_gemm,
+    .linear = guard_linear,
+    .layernorm = guard_layernorm,
+    .activation = guard_activation,
+    .add_rows = guard_add_rows,
+    .gated_add = guard_gated_add,
+    .gather_rows = guard_gather_rows,
+    .scatter_rows = guard_scatter_rows,
+    .attention = guard_attention,
+    .groupnorm = guard_groupnorm,
+    .conv2d = guard_conv2d,
+    .upsample_nearest2x = guard_upsample_nearest2x,
+    .cfg_combine = guard_cfg_combine,
+    .ddpm_step = guard_ddpm_step,
+    .token_normals = guard_token_normals,
+    .axpby = guard_axpby,
+    .cosine_rows = guard_cosine_rows,
+    .attention_mass = guard_attention_mass,
+    .conv2d_ex = guard_conv2d_ex,
+    .avg_pool2d = guard_avg_pool2d,
+    .max_pool2d = guard_max_pool2d,
+    .resize_bilinear_tf1 = guard_resize_bilinear_tf1,
+    .capture_begin = guard_capture_begin,
+    .capture_end = guard_capture_end,
+    .graph_launch = guard_graph_launch,
+    .graph_free = guard_graph_free,
+};
+
+mc_status mc_backend_guard_create(mc_backend **out, int num_threads, mc_err *err) {
+    *out = NULL;
+    mc_backend *be = calloc(1, sizeof *be);
+    guard_state *gs = calloc(1, sizeof *gs);
+    if (be == NULL || gs == NULL) {
+        free(be);
+        free(gs);
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the guard backend");
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    gs->page = page > 0 ? (size_t)page : 4096;
+    void *base = mmap(NULL, GUARD_RESERVE_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+    if (base == MAP_FAILED) {
+        free(be);
+        free(gs);
+        return mc_fail(err, MC_ERR_NOMEM, "guard backend: cannot reserve %zu bytes of address space",
+                       GUARD_RESERVE_BYTES);
+    }
+    gs->base = base;
+    /* MARCACHE_GUARD_FAIL_RECORDING=N makes the N-th op of every recording
+     * fail, so the tests can drive the path where a recording is discarded
+     * and the caller runs the steps directly. */
+    const char *fail_at = getenv("MARCACHE_GUARD_FAIL_RECORDING");
+    gs->fail_recording_at = fail_at != NULL ? strtol(fail_at, NULL, 10) : 0;
+    mc_status st = mc_backend_cpu_create(&gs->cpu, num_threads, err);
+    if (st != MC_OK) {
+        munmap(base, GUARD_RESERVE_BYTES);
+        free(be);
+        free(gs);
+        return st;
+    }
+    be->ops = &guard_ops;
+    be->device_index = -1;
+    be->impl = gs;
+    *out = be;
+    return MC_OK;
+}
