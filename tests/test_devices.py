@@ -278,3 +278,21 @@ print(json.dumps({"tokens": tokens.tolist(), "graph": [s["head_graph"] for s in 
         del os.environ["MARCACHE_CUDA_GRAPHS"]
     assert all(with_graphs["graph"]) and not any(direct["graph"])
     np.testing.assert_array_equal(np.array(with_graphs["tokens"]), np.array(direct["tokens"]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "guard"] + (["cuda"] if HAS_CUDA else []))
+@pytest.mark.parametrize("policy", ["nocache", "lazymar", "marche+cond+head"])
+def test_no_backend_allocation_inside_the_ar_loop(tiny_mar, device, policy):
+    """Once a batch size has been seen, an AR loop allocates no backend memory: the count of
+    backend allocations (weights, workspace, caches, scratch) read at every step callback of
+    a second identical call stays where the step before left it. (A cache policy's state is
+    made before the loop of each call.)"""
+    model = mc.load(tiny_mar, device=device)
+    cache = eval(POLICIES[policy])
+    kwargs = dict(labels=[3, 7], steps=6, cfg=2.5, seed=4, cache=cache)
+    model.generate_tokens(**kwargs)
+    seen = []
+    model._mar.generate(np.array([3, 7], np.int32), steps=6, cfg=2.5, seed=4,
+                        cache=None if cache is None else cache.as_dict(rows=320),
+                        callback=lambda info: seen.append(model._mar.backend_allocations))
+    assert len(seen) == 6 and len(set(seen)) == 1, seen

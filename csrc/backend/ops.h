@@ -266,6 +266,10 @@ struct mc_backend {
      * backend is made, before any weight is bound (mc_bind's
      * MC_BIND_LINEAR converts to it), and never changed afterwards. */
     mc_wtype linear_wtype;
+    /* Successful allocations of backend memory so far (ops->alloc and the
+     * backend's own scratch growth). The tests read it between AR steps: a
+     * steady-state loop allocates nothing. */
+    int64_t allocations;
     void *impl;  /* backend-private state: scratch pools, handles, streams */
 };
 

@@ -531,6 +531,11 @@ static PyObject *mar_get_num_params(PyMAR *self, void *closure) {
     return PyLong_FromLongLong(self->mar ? (long long)mc_mar_num_params(self->mar) : 0);
 }
 
+static PyObject *mar_get_allocations(PyMAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
+}
+
 static PyObject *mar_get_timesteps(PyMAR *self, void *closure) {
     (void)closure;
     PyObject *list = PyList_New(self->diffusion.n_steps);
@@ -555,6 +560,8 @@ static PyMethodDef mar_methods[] = {
 static PyGetSetDef mar_getset[] = {
     {"config", (getter)mar_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
     {"num_params", (getter)mar_get_num_params, NULL, "number of parameters", NULL},
+    {"backend_allocations", (getter)mar_get_allocations, NULL,
+     "allocations of backend memory so far (weights, workspace, caches, scratch growth)", NULL},
     {"timesteps", (getter)mar_get_timesteps, NULL, "original diffusion timesteps tau_j seen by the head", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

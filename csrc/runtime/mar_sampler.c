@@ -303,6 +303,25 @@ mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
         free_state(&g);
         return err->status;
     }
+    if (lazymar != NULL && args->lazymar->head_cache) {
+        /* Size the head cache for the step that predicts the most tokens, so
+         * it never grows inside the loop (the count rises along the cosine
+         * schedule; growing step by step would allocate on most steps). */
+        int64_t most = 0, before = S;
+        for (int step = 0; step < args->num_steps && before > 0; step++) {
+            const int last = step == args->num_steps - 1;
+            const int64_t after = mc_mask_len_after(S, before, step, args->num_steps);
+            const int64_t predicted = last ? before : before - after;
+            most = predicted > most ? predicted : most;
+            before = last ? 0 : after;
+        }
+        mc_head_cache sizing;
+        if (mc_lazymar_head_cache(lazymar, B * most, &sizing, err) != MC_OK) {
+            free_state(&g);
+            mc_lazymar_free(lazymar);
+            return err->status;
+        }
+    }
     float *tokens = mc_mar_ws(mar, WS_TOKENS, (size_t)(Bp * S * C), err);
     float *class_vectors = mc_mar_ws(mar, WS_CLASS, (size_t)(Bp * D), err);
     float *z = mc_mar_ws(mar, WS_Z, (size_t)(Bp * S * Dd), err);

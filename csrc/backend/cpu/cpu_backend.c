@@ -95,6 +95,7 @@ float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err) {
             return NULL;
         }
         mc_aligned_free(st->scratch[slot]);
+        be->allocations++;
         st->scratch[slot] = fresh;
         st->scratch_floats[slot] = floats;
     }
@@ -102,10 +103,11 @@ float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err) {
 }
 
 static void *cpu_alloc(mc_backend *be, size_t bytes, mc_err *err) {
-    (void)be;
     void *p = mc_aligned_alloc(bytes);
     if (p == NULL)
         mc_fail(err, MC_ERR_NOMEM, "cannot allocate %zu bytes of host memory", bytes);
+    else
+        be->allocations++;
     return p;
 }
 

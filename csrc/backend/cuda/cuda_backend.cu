@@ -141,6 +141,7 @@ static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
                 cudaGetErrorString(code));
         return NULL;
     }
+    be->allocations++;
     return p;
 }
 

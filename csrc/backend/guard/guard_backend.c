@@ -45,6 +45,7 @@ typedef struct guard_state {
     /* graph recording emulation */
     int capturing, capture_failed;
     long fail_recording_at; /* test hook: the op of a recording that fails (0: none) */
+    int64_t own_allocations; /* be->allocations adds the inner CPU's scratch growth */
     long recorded_ops;
     char *snapshot; /* the used range at capture_begin */
     void *deferred_free[32];
@@ -74,6 +75,7 @@ static mc_status guard_open(mc_backend *be, mc_err *err) {
 
 static void guard_close(mc_backend *be) {
     guard_state *gs = guard_st(be);
+    be->allocations = gs->own_allocations + gs->cpu->allocations;
     /* PROT_NONE on memory we own cannot fail short of a kernel bug; if it
      * did, the guard would only catch less. */
     if (--gs->open_depth == 0 && gs->used > 0)
@@ -120,6 +122,8 @@ static void *guard_alloc(mc_backend *be, size_t bytes, mc_err *err) {
         mc_fail(err, MC_ERR_INTERNAL, "guard backend: mprotect of a new block failed");
         return NULL;
     }
+    gs->own_allocations++;
+    be->allocations = gs->own_allocations + gs->cpu->allocations;
     return p;
 }
 
