@@ -296,3 +296,27 @@ def test_no_backend_allocation_inside_the_ar_loop(tiny_mar, device, policy):
                         cache=None if cache is None else cache.as_dict(rows=320),
                         callback=lambda info: seen.append(model._mar.backend_allocations))
     assert len(seen) == 6 and len(set(seen)) == 1, seen
+
+
+@pytest.mark.parametrize("device", ["cpu", "guard"] + (["cuda"] if HAS_CUDA else []))
+@pytest.mark.parametrize("policy", ["nocache", "lazymar", "marche", "marche+cond+head"])
+def test_host_waits_only_where_a_policy_needs_rows(tiny_mar, device, policy):
+    """Issue #8: no host sync inside an AR step except where the policy truly needs a count.
+    Counted as the CUDA backend waits (every download, uploads over 1 MiB): a full step
+    waits never, a cached LazyMAR or MARche step exactly once (the row scores it ranks on
+    the host), and the tokens come back once after the loop."""
+    model = mc.load(tiny_mar, device=device)
+    cache = eval(POLICIES[policy])
+    before = model._mar.backend_syncs
+    seen, full = [], []
+
+    def on_step(info):
+        seen.append(model._mar.backend_syncs)
+        full.append(info["full"])
+
+    model._mar.generate(np.array([3, 7], np.int32), steps=6, cfg=2.5, seed=4,
+                        cache=None if cache is None else cache.as_dict(rows=320), callback=on_step)
+    waits = np.diff([before] + seen)
+    assert list(waits) == [0 if f else 1 for f in full], (list(waits), full)
+    assert (policy == "nocache") == all(full)
+    assert model._mar.backend_syncs == seen[-1] + 1

@@ -270,8 +270,16 @@ struct mc_backend {
      * backend's own scratch growth). The tests read it between AR steps: a
      * steady-state loop allocates nothing. */
     int64_t allocations;
+    /* Waits of the host for the backend's queue so far: every download and
+     * every upload over MC_UPLOAD_STAGED_MAX bytes (smaller ones are staged
+     * and only enqueued on CUDA). Counted the same way on every backend, so
+     * the CPU tests show where an AR step would stall a GPU. */
+    int64_t syncs;
     void *impl;  /* backend-private state: scratch pools, handles, streams */
 };
+
+/* Uploads up to this size are staged (CUDA: a pinned ring) and do not wait. */
+#define MC_UPLOAD_STAGED_MAX ((size_t)1 << 20)
 
 /* Rows [row, ...) of a `linear` weight of `in` columns stored in the
  * backend's weight type (a view, like the q part of a fused qkv). */

@@ -536,6 +536,11 @@ static PyObject *mar_get_allocations(PyMAR *self, void *closure) {
     return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
 }
 
+static PyObject *mar_get_syncs(PyMAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
+}
+
 static PyObject *mar_get_timesteps(PyMAR *self, void *closure) {
     (void)closure;
     PyObject *list = PyList_New(self->diffusion.n_steps);
@@ -562,6 +567,9 @@ static PyGetSetDef mar_getset[] = {
     {"num_params", (getter)mar_get_num_params, NULL, "number of parameters", NULL},
     {"backend_allocations", (getter)mar_get_allocations, NULL,
      "allocations of backend memory so far (weights, workspace, caches, scratch growth)", NULL},
+    {"backend_syncs", (getter)mar_get_syncs, NULL,
+     "host waits for the backend so far: downloads and uploads over 1 MiB (counted alike on every backend)",
+     NULL},
     {"timesteps", (getter)mar_get_timesteps, NULL, "original diffusion timesteps tau_j seen by the head", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

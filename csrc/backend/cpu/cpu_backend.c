@@ -124,6 +124,19 @@ static mc_status cpu_copy(mc_backend *be, void *dst, const void *src, size_t byt
     return MC_OK;
 }
 
+/* Counted as the CUDA backend would wait (ops.h, mc_backend.syncs). */
+static mc_status cpu_upload(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    if (bytes > MC_UPLOAD_STAGED_MAX)
+        be->syncs++;
+    return cpu_copy(be, dst, src, bytes, err);
+}
+
+static mc_status cpu_download(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    if (bytes)
+        be->syncs++;
+    return cpu_copy(be, dst, src, bytes, err);
+}
+
 static void cpu_destroy(mc_backend *be) {
     cpu_state *st = be->impl;
     for (int i = 0; i < MC_CPU_SCRATCH_SLOTS; i++)
@@ -137,8 +150,8 @@ static const mc_ops cpu_ops = {
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
     .release = cpu_release,
-    .upload = cpu_copy,
-    .download = cpu_copy,
+    .upload = cpu_upload,
+    .download = cpu_download,
     .copy = cpu_copy,
     .gemm = mc_cpu_gemm,
     .linear = mc_cpu_linear,

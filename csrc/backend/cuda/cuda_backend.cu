@@ -188,7 +188,7 @@ void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err) {
  * read). Uploads up to this size go through the pinned staging ring; larger ones
  * (weights at load, token batches) copy and wait. */
 #define MC_CUDA_STAGING_BYTES ((size_t)8 << 20)
-#define MC_CUDA_STAGED_MAX (MC_CUDA_STAGING_BYTES / 8)
+#define MC_CUDA_STAGED_MAX MC_UPLOAD_STAGED_MAX
 
 static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, size_t bytes,
                              mc_err *err) {
@@ -207,6 +207,7 @@ static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, si
         if (st->staging_used + aligned > MC_CUDA_STAGING_BYTES) {
             /* Every copy out of the ring so far must have left it before
              * its bytes are overwritten: one wait per 8 MB staged. */
+            be->syncs++;
             MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
             st->staging_used = 0;
         }
@@ -216,6 +217,7 @@ static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, si
         MC_CUDA_TRY(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, st->stream), err);
         return MC_OK;
     }
+    be->syncs++;
     MC_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st->stream), err);
     MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
     st->staging_used = 0; /* the stream is idle: the whole ring is free */
@@ -232,6 +234,7 @@ static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, 
         return mc_fail(err, MC_ERR_INTERNAL, "cuda: download while recording a graph");
     }
     MC_TRY(mc_cuda_enter(be, err));
+    be->syncs++;
     MC_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st->stream), err);
     /* Also where a fault of an earlier kernel on the stream is reported. */
     MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);

@@ -172,11 +172,15 @@ static mc_status guard_copy(mc_backend *be, void *dst, const void *src, size_t b
 
 static mc_status guard_upload(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
     MC_TRY(refuse_while_recording(guard_st(be), "upload", err));
+    if (bytes > MC_UPLOAD_STAGED_MAX)
+        be->syncs++;
     return guard_copy(be, dst, src, bytes, err);
 }
 
 static mc_status guard_download(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
     MC_TRY(refuse_while_recording(guard_st(be), "download", err));
+    if (bytes)
+        be->syncs++;
     return guard_copy(be, dst, src, bytes, err);
 }
 
