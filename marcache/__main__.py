@@ -9,7 +9,7 @@ def _cmd_generate(args):
     import marcache as mc
     from .png import grid, write_png
 
-    model = mc.load(args.model, vae=args.vae, device=args.device, threads=args.threads)
+    model = mc.load(args.model, vae=args.vae, device=args.device, dtype=args.dtype, threads=args.threads)
     labels = args.labels if args.labels else None
     images, info = model.generate(labels=labels, num_images=None if labels else args.num_images, steps=args.steps,
                                   cfg=args.cfg, cfg_schedule=args.cfg_schedule, temperature=args.temperature,
@@ -37,7 +37,7 @@ def _cmd_sample(args):
     if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
         raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
                          f"{args.batch_size}")
-    model = mc.load(args.model, vae=args.vae, device=args.device, threads=args.threads)
+    model = mc.load(args.model, vae=args.vae, device=args.device, dtype=args.dtype, threads=args.threads)
     labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
     bar = _Progress(args.n, "sample", enabled=not args.quiet)
     writer = None
@@ -69,7 +69,7 @@ def _cmd_sample(args):
 def _cmd_fid(args):
     from .eval import InceptionV3, fid, inception_score, iter_npz_images, load_reference, npz_image_count
 
-    inception = InceptionV3.load(args.inception, threads=args.threads)
+    inception = InceptionV3.load(args.inception, threads=args.threads, device=args.device)
     if not inception.standard:
         print("warning: this Inception is not the standard FID network (its widths differ); "
               "numbers are not comparable with published FIDs", file=sys.stderr)
@@ -87,7 +87,7 @@ def _cmd_fid(args):
 def _cmd_reference(args):
     from .eval import InceptionV3, make_reference
 
-    inception = InceptionV3.load(args.inception, threads=args.threads)
+    inception = InceptionV3.load(args.inception, threads=args.threads, device=args.device)
     stats = make_reference(args.source, args.out, inception, batch_size=args.batch_size, progress=not args.quiet)
     print(f"wrote {args.out}: mu [{stats.dim}], sigma [{stats.dim}, {stats.dim}] over {stats.n} images")
 
@@ -178,7 +178,9 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--first-index", type=int, default=0)
     g.add_argument("--columns", type=int, default=None)
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--quiet", action="store_true")
     g.add_argument("--out", default="grid.png")
@@ -195,7 +197,9 @@ def main(argv=None):
     s.add_argument("--temperature", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--batch-size", type=int, default=16)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--quiet", action="store_true")
     s.add_argument("--out", default="samples.npz")
@@ -212,6 +216,7 @@ def main(argv=None):
     d.add_argument("--is-protocol", default="torch-fidelity", choices=["torch-fidelity", "adm"])
     d.add_argument("--splits", type=int, default=10)
     d.add_argument("--threads", type=int, default=0)
+    d.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=_cmd_fid)
 
@@ -221,6 +226,7 @@ def main(argv=None):
     r.add_argument("--inception", required=True)
     r.add_argument("--batch-size", type=int, default=64)
     r.add_argument("--threads", type=int, default=0)
+    r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=_cmd_reference)
 

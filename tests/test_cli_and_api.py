@@ -112,3 +112,23 @@ def test_build_info_names_backends_and_blas():
     assert info["backends"] == ",".join(mc._C.backends())  # "cpu,guard", and ",cuda" with a GPU
     assert "OpenBLAS" in info["blas_config"]
     assert "-fopenmp" in info["cflags"]
+
+
+def test_cli_generate_device_and_dtype(files, tmp_path):
+    """--device and --dtype reach the model (and the VAE): a bf16 grid on the guard device (the
+    CPU kernels over unreadable-from-host memory) is byte for byte the CPU's bf16 grid, and a
+    16-bit type changes the result."""
+    mar_path, vae_path, _ = files
+    outs = {}
+    for device, dtype in (("cpu", "bf16"), ("guard", "bf16"), ("cpu", "fp32")):
+        out = tmp_path / ("%s-%s.png" % (device, dtype))
+        proc = run_cli("generate", "--model", str(mar_path), "--vae", str(vae_path), "--labels", "1", "2",
+                       "--steps", "3", "--cfg", "2.0", "--device", device, "--dtype", dtype, "--quiet",
+                       "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        outs[device, dtype] = out.read_bytes()
+    assert outs["guard", "bf16"] == outs["cpu", "bf16"]
+    assert outs["cpu", "bf16"] != outs["cpu", "fp32"]
+    proc = run_cli("generate", "--model", str(mar_path), "--vae", str(vae_path), "--labels", "1",
+                   "--dtype", "int8", "--out", str(tmp_path / "x.png"))
+    assert proc.returncode == 2 and "--dtype" in proc.stderr
