@@ -338,11 +338,12 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     device: "cpu", "auto" (CUDA device 0 when built and present, else CPU) or "cuda[:N]".
       The MAR model and the VAE are uploaded once to that device.
     dtype: the type of the weights of every Linear layer of the MAR model, "fp32", "bf16" or
-      "fp16". With a 16-bit type each Linear runs as PyTorch's autocast does: its input is
-      rounded to the 16-bit type and products are summed in float32; everything else
-      (norms, attention, the head's DDPM update, the VAE) stays float32. On the GPU this uses
-      the tensor cores; on the CPU it is an emulation (slower than fp32) that shows the
-      numeric effect of 16-bit weights.
+      "fp16". With a 16-bit type each Linear and each attention runs as PyTorch's autocast
+      does: Linear inputs, q, k, v and the attention probabilities are rounded to the 16-bit
+      type and products are summed in float32 (attention where the head dim is a multiple of
+      16); norms, softmax, the head's DDPM update and the VAE stay float32. On the GPU this
+      uses the tensor cores; on the CPU it is an emulation (slower than fp32) that shows the
+      numeric effect.
     heads: attention heads, only for non-standard widths (the released 768/1024/1280 configs are known).
     """
     path = _check_path(path, "MAR model")

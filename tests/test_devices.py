@@ -161,11 +161,12 @@ print(json.dumps(out))
 # ----- 16-bit weights ----------------------------------------------------------------------
 
 def test_16bit_weights_keep_the_digits_model_close_to_fp32():
-    """On the shipped trained model (marcache/data), 16-bit Linear weights move the images
-    by the size of 16-bit rounding, fp16 (11-bit significand) less than bf16 (8-bit).
-    Measured: PSNR against fp32 28.7 dB (bf16) and 41.3 dB (fp16) on these 50 digits; a wrong
-    weight offset or an unconverted weight gives noise (below 10 dB). (Random-weight models
-    are no use here: their tokens reach 1e4-1e5, past fp16's range, as autocast's would.)"""
+    """On the shipped trained model (marcache/data), 16-bit Linear weights and attention move
+    the images by the size of 16-bit rounding, fp16 (11-bit significand) less than bf16
+    (8-bit). Measured: PSNR against fp32 26.4 dB (bf16) and 34.1 dB (fp16) on these 50 digits
+    (28.7 and 41.3 dB with 16-bit Linear layers only); a wrong weight offset or an unconverted
+    weight gives noise (below 10 dB). (Random-weight models are no use here: their tokens
+    reach 1e4-1e5, past fp16's range, as autocast's would.)"""
     from marcache import digits
 
     labels = np.repeat(np.arange(10), 5)
@@ -177,15 +178,15 @@ def test_16bit_weights_keep_the_digits_model_close_to_fp32():
         got = model.generate(labels=labels, steps=16, cfg=2.0, seed=0).astype(np.float64)
         assert not np.array_equal(got, ref)
         psnr[dtype] = 10 * np.log10(255.0 ** 2 / np.mean((got - ref) ** 2))
-    assert 24.0 < psnr["bf16"] < psnr["fp16"] and psnr["fp16"] > 34.0, psnr
+    assert 22.0 < psnr["bf16"] < psnr["fp16"] and psnr["fp16"] > 30.0, psnr
 
 
 def test_16bit_model_matches_rounded_reference(tmp_path, monkeypatch):
     """The MAR transformer and head with bf16 weights follow the float64 reference in which
-    every Linear rounds its input and weight to bf16 (autocast's arithmetic) far more closely
-    than the plain float64 model: the dtype changes exactly the arithmetic it says. (The
-    remaining difference: float32 and float64 activations that straddle a bf16 rounding
-    boundary round to neighbouring values.)"""
+    every Linear rounds its input and weight to bf16 and attention rounds q, k, v and the
+    probabilities (autocast's arithmetic) far more closely than the plain float64 model: the
+    dtype changes exactly the arithmetic it says. (The remaining difference: float32 and
+    float64 values that straddle a bf16 rounding boundary round to neighbouring values.)"""
     from reference import mar as R
     from reference import ops as ref_ops
 
@@ -213,7 +214,13 @@ def test_16bit_model_matches_rounded_reference(tmp_path, monkeypatch):
         return linear64(ref_ops.round_to_wtype(np.asarray(x, np.float32), "bf16"),
                         ref_ops.round_to_wtype(w, "bf16"), bias, **kw)
 
+    attention64 = ref_ops.attention
+
+    def autocast_attention(q, segments, heads, scale=None):
+        return attention64(q, segments, heads, scale, wtype="bf16")
+
     monkeypatch.setattr(R.ops, "linear", autocast_linear)
+    monkeypatch.setattr(R.ops, "attention", autocast_attention)
     want_z = R.transformer(W, tokens, mask, labels, heads=2, cfg_on=False)
     want_head = R.head_net(W, x, t, z[0, :6])
     for got, want, plain in ((z, want_z, plain_z), (head, want_head, plain_head)):
@@ -241,11 +248,13 @@ def test_cuda_tokens_match_cpu(tiny_mar, policy):
 @cuda_only
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_cuda_16bit_matches_cpu_emulation(tiny_mar, dtype):
-    """The tensor-core path computes what the CPU emulation computes (same rounded operands,
-    float32 sums in another order)."""
+    """The tensor-core path computes what the CPU emulation computes: the same rounded
+    operands, float32 sums in another order, and attention probabilities rounded before
+    normalisation (per 64-key tile) on the GPU, after it on the CPU. Bounded by the op test's
+    16-bit attention bounds (bf16 2e-2, fp16 4e-3)."""
     cpu = mc.load(tiny_mar, dtype=dtype).generate_tokens(labels=[3, 7], steps=6, cfg=2.5, seed=4)
     gpu = mc.load(tiny_mar, device="cuda", dtype=dtype).generate_tokens(labels=[3, 7], steps=6, cfg=2.5, seed=4)
-    assert rel_err(gpu, cpu) <= 1e-3
+    assert rel_err(gpu, cpu) <= {"bf16": 2e-2, "fp16": 4e-3}[dtype]
 
 
 @cuda_only

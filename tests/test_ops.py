@@ -421,7 +421,7 @@ case("scatter_rows", "17into65x80-strided", tol=0)(scatter_builder(65, 17, 80, s
 # attention: head dims 64 and 80, odd counts, several segments including an
 # empty and a single-row one, fused-qkv and KV-cache layouts.
 def attention_builder(batch, nq, heads, hd, seg_rows, layout="contiguous", scale=None,
-                      magnitude=1.0):
+                      magnitude=1.0, wtype=None):
     width = heads * hd
 
     def build(rng):
@@ -443,6 +443,8 @@ def attention_builder(batch, nq, heads, hd, seg_rows, layout="contiguous", scale
         params = {"heads": heads}
         if scale is not None:
             params["scale"] = f32(scale)
+        if wtype is not None:
+            params["wtype"] = wtype
         return inputs, params
     return build
 
@@ -469,6 +471,28 @@ case("attention", "b1-q17-h2-hd64-peaky")(attention_builder(1, 17, 2, 64, [33, 1
                                                             magnitude=4.0))
 case("attention", "b2-q64-h4-hd64-k1024-long", tol=2e-5)(attention_builder(2, 64, 4, 64,
                                                                            [960, 64]))
+# 16-bit attention (a model with dtype bf16/fp16; head dims that are multiples of 16 run the
+# CUDA tensor-core kernel): q, k, v and the probabilities rounded, float32 softmax and sums.
+# Against the float64 result of the unrounded inputs, within the bounds of 16-bit operands
+# (the CPU emulation measures 2e-3..5e-3 for bf16, 4e-4..8e-4 for fp16 on these cases).
+# The shapes cross the kernel's 64-row query and key tiles, mix segments (one empty), strides
+# and the fused-qkv layout. hd 16 and 32 are the test and digits models' head dims.
+for wtype, tol in (("bf16", 2e-2), ("fp16", 4e-3)):
+    for name, args, kwargs in [
+            ("b2-q17-h2-hd64-k33", (2, 17, 2, 64, [33]), {}),
+            ("b1-q65-h3-hd80-segs70-0-5", (1, 65, 3, 80, [70, 0, 5]), {}),
+            ("b2-q130-h2-hd16-fused-qkv", (2, 130, 2, 16, None), {"layout": "fused"}),
+            ("b1-q9-h3-hd32-cache-segs64-1", (1, 9, 3, 32, [64, 1]), {"layout": "cache"}),
+            ("b2-q64-h4-hd64-k1024-long", (2, 64, 4, 64, [960, 64]), {}),
+            ("b1-q17-h2-hd128-mixed-strides", (1, 17, 2, 128, [17, 1, 9]), {"layout": "mixed"}),
+            ("b1-q5-h2-hd48-peaky", (1, 5, 2, 48, [33, 17]), {"magnitude": 4.0})]:
+        # Logits 16x larger: the 16-bit rounding of q and k moves them 16x more (measured on
+        # the CPU emulation: 2.3e-2 bf16, 3.6e-3 fp16); a wrong rescale would be O(1).
+        bound = tol * 2.5 if "peaky" in name else tol
+        case("attention", name + "-" + wtype, tol=bound)(attention_builder(*args, wtype=wtype, **kwargs))
+# A head dim that is not a multiple of 16 stays float32 under a 16-bit type.
+case("attention", "b1-q3-h3-hd80-k65-hd20-bf16-stays-fp32")(attention_builder(1, 3, 3, 20, [65],
+                                                                               wtype="bf16"))
 
 
 # groupnorm (pending on CPU): NHWC [B, HW, C], statistics per image and group.

@@ -138,7 +138,12 @@ struct mc_ops {
     /* Multi-head attention, no mask: for each batch item b and head h,
      * out_bh = softmax(scale * q_bh k_bh^T) v_bh with keys/values the
      * concatenation of the segments. q row i of item b, head h is at
-     * q + b * q_bstride + i * ldq + h * head_dim; out likewise. */
+     * q + b * q_bstride + i * ldq + h * head_dim; out likewise.
+     * With a 16-bit linear_wtype and mc_attention_is_16bit (head_dim a
+     * multiple of 16 up to 128) it runs as autocast's fused attention does:
+     * q, k and v are rounded to the 16-bit type, scores, softmax and sums
+     * are float32, and the probabilities are rounded to the 16-bit type
+     * before they weight v. */
     mc_status (*attention)(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
                            float scale, const float *q, int64_t ldq, int64_t q_bstride,
                            const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
@@ -277,6 +282,12 @@ struct mc_backend {
     int64_t syncs;
     void *impl;  /* backend-private state: scratch pools, handles, streams */
 };
+
+/* Whether `attention` on this backend rounds its operands to 16 bits (see
+ * the op). The head dims of the tensor-core kernel on CUDA. */
+static inline int mc_attention_is_16bit(const mc_backend *be, int head_dim) {
+    return be->linear_wtype != MC_WTYPE_F32 && head_dim % 16 == 0 && head_dim <= 128;
+}
 
 /* Uploads up to this size are staged (CUDA: a pinned ring) and do not wait. */
 #define MC_UPLOAD_STAGED_MAX ((size_t)1 << 20)

@@ -47,7 +47,8 @@
  *                [B,rows_s,H*hd] (1 to 8 segments; rows_s may be 0, at least
  *                one key in all), all strided; heads, scale=hd**-0.5,
  *                naive=False (CUDA only: the plain two-pass reference
- *                kernel instead of the fused one) -> out [B,nq,H*hd].
+ *                kernel instead of the fused one), wtype="fp32" (a 16-bit
+ *                type: the 16-bit form of ops.h) -> out [B,nq,H*hd].
  *                k_s and v_s share one ld and batch stride in mc_kv_segment:
  *                if their strides differ both are copied to C order.
  *   groupnorm    (x [B,HW,C], w [C], b [C]); groups, eps, swish=False,
@@ -740,6 +741,21 @@ static PyObject *run_gemm(op_call *call) {
     return finish_op(call, status, c);
 }
 
+/* Optional param "wtype": the backend's linear_wtype for this call. */
+static int param_wtype(op_call *call, mc_wtype *out) {
+    *out = MC_WTYPE_F32;
+    PyObject *obj = PyDict_GetItemString(call->params, "wtype");
+    if (obj == NULL)
+        return 0;
+    const char *name = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (name == NULL) {
+        PyErr_Clear();
+        raise_value(call, "param 'wtype' must be 'fp32', 'bf16' or 'fp16'");
+        return -1;
+    }
+    return mcpy_parse_wtype(name, out);
+}
+
 /* Replaces a float32 weight operand by its 16-bit bits (round to nearest
  * even, as mc_bind's MC_BIND_LINEAR does at model load). */
 static int narrow_weight(op_call *call, operand *w, mc_wtype wtype) {
@@ -770,16 +786,8 @@ static PyObject *run_linear(op_call *call) {
     if (check_param_keys(call, keys) < 0 || param_act(call, "act", 0, &act) < 0 ||
         param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 4) < 0)
         return NULL;
-    PyObject *wtype_obj = PyDict_GetItemString(call->params, "wtype");
-    if (wtype_obj != NULL) {
-        const char *name = PyUnicode_Check(wtype_obj) ? PyUnicode_AsUTF8(wtype_obj) : NULL;
-        if (name == NULL) {
-            PyErr_Clear();
-            return raise_value(call, "param 'wtype' must be 'fp32', 'bf16' or 'fp16'");
-        }
-        if (mcpy_parse_wtype(name, &wtype) < 0)
-            return NULL;
-    }
+    if (param_wtype(call, &wtype) < 0)
+        return NULL;
     if (beta != 0.0f && beta != 1.0f)
         return raise_value(call, "param 'beta' must be 0 or 1");
     if (beta == 1.0f && act != MC_ACT_NONE)
@@ -983,7 +991,7 @@ static PyObject *run_scatter_rows(op_call *call) {
 }
 
 static PyObject *run_attention(op_call *call) {
-    static const char *const keys[] = {"heads", "scale", "naive", NULL};
+    static const char *const keys[] = {"heads", "scale", "naive", "wtype", NULL};
     static const char *const k_names[] = {"k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"};
     static const char *const v_names[] = {"v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8"};
     const int max_segments = (int)(sizeof k_names / sizeof k_names[0]);
@@ -991,11 +999,14 @@ static PyObject *run_attention(op_call *call) {
     long long heads;
     double scale;
     int naive;
+    mc_wtype wtype;
     operand *q, *out;
     if (check_param_keys(call, keys) < 0 ||
         param_integer(call, "heads", 1, 0, 1, INT_MAX_LL, &heads) < 0 ||
-        param_bool(call, "naive", 0, &naive) < 0 || use_naive(call, naive, 0) < 0)
+        param_bool(call, "naive", 0, &naive) < 0 || use_naive(call, naive, 0) < 0 ||
+        param_wtype(call, &wtype) < 0)
         return NULL;
+    call->backend->linear_wtype = wtype; /* 16-bit attention (ops.h) */
     if (n_inputs < 3 || n_inputs % 2 == 0 || (n_inputs - 1) / 2 > max_segments) {
         PyErr_Format(PyExc_ValueError,
                      "attention: expected inputs (q, k1, v1, ..., kS, vS) with 1 <= S <= %d, got "

@@ -169,7 +169,7 @@ def softmax(s, axis=-1):
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def attention(q, segments, heads, scale=None):
+def attention(q, segments, heads, scale=None, wtype="fp32"):
     """Multi-head attention without mask over a list of K/V segments.
 
     q: [batch, nq, heads * hd] (or [nq, heads * hd]); segments: list of
@@ -177,7 +177,17 @@ def attention(q, segments, heads, scale=None):
     keys/values are the row concatenation of the segments. Head h uses
     columns h*hd .. (h+1)*hd - 1 of q, k, v and writes the same columns of
     the output. scale defaults to hd^-0.5. Returns [batch, nq, heads*hd]
-    (or 2-D if q was 2-D)."""
+    (or 2-D if q was 2-D).
+
+    wtype "bf16" / "fp16" with hd a multiple of 16 up to 128 is the 16-bit form of
+    ops.h: q, k, v rounded to the type, the softmax probabilities rounded to it."""
+    head_dim = np.shape(q)[-1] // heads
+    if wtype != "fp32" and head_dim % 16 == 0 and head_dim <= 128:
+        r = lambda a: round_to_wtype(np.asarray(a, np.float32), wtype)  # noqa: E731
+        q = r(q)
+        segments = [(r(k), r(v)) for k, v in segments]
+    else:
+        wtype = "fp32"
     q = f64(q)
     squeeze = q.ndim == 2
     if squeeze:
@@ -195,7 +205,10 @@ def attention(q, segments, heads, scale=None):
     for h in range(heads):
         cols = slice(h * hd, (h + 1) * hd)
         s = float(scale) * np.einsum("bqd,bkd->bqk", q[:, :, cols], k[:, :, cols])
-        out[:, :, cols] = np.einsum("bqk,bkd->bqd", softmax(s, axis=-1), v[:, :, cols])
+        p = softmax(s, axis=-1)
+        if wtype != "fp32":
+            p = f64(round_to_wtype(p.astype(np.float32), wtype))
+        out[:, :, cols] = np.einsum("bqk,bkd->bqd", p, v[:, :, cols])
     return out[0] if squeeze else out
 
 

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <omp.h>
 
+#include "../../core/half.h"
 #include "cpu_internal.h"
 
 static void softmax_rows_inplace(float *s, int64_t rows, int64_t cols, int64_t ld) {
@@ -28,6 +29,41 @@ static void softmax_rows_inplace(float *s, int64_t rows, int64_t cols, int64_t l
         for (int64_t j = 0; j < cols; j++)
             row[j] *= inv;
     }
+}
+
+static float round_to_wtype(mc_wtype t, float v) {
+    return t == MC_WTYPE_BF16 ? mc_bf16_to_f32(mc_f32_to_bf16(v)) : mc_f16_to_f32(mc_f32_to_f16(v));
+}
+
+/* dst[r, :cols] = 16-bit rounding of src[r, :cols] (row strides lds, ldd). */
+static void round_rows(mc_wtype t, const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst,
+                       int64_t ldd) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[r * ldd + c] = round_to_wtype(t, src[r * lds + c]);
+}
+
+/* The 16-bit form of attention for one (item, head) (ops.h): rounded copies
+ * of q and of every segment's k and v side by side, one score GEMM, the
+ * float32 softmax, probabilities rounded, one P V GEMM. An emulation of the
+ * CUDA tensor-core kernel's arithmetic (up to its summation order and its
+ * tile-wise running max), so that CPU and GPU runs of a 16-bit model agree. */
+static void attention_pair_16bit(mc_wtype t, int64_t nq, int head_dim, float scale, const float *qb,
+                                 int64_t ldq, const mc_kv_segment *segs, int nsegs, int64_t b, int h,
+                                 int64_t total_keys, float *s, float *ob, int64_t ldo) {
+    float *qr = s + nq * total_keys, *kr = qr + nq * head_dim, *vr = kr + total_keys * head_dim;
+    round_rows(t, qb, ldq, nq, head_dim, qr, head_dim);
+    int64_t row = 0;
+    for (int g = 0; g < nsegs; g++) {
+        const int64_t off = b * segs[g].batch_stride + (int64_t)h * head_dim;
+        round_rows(t, segs[g].k + off, segs[g].ld, segs[g].rows, head_dim, kr + row * head_dim, head_dim);
+        round_rows(t, segs[g].v + off, segs[g].ld, segs[g].rows, head_dim, vr + row * head_dim, head_dim);
+        row += segs[g].rows;
+    }
+    mc_cpu_sgemm(1, 0, 1, nq, total_keys, head_dim, scale, qr, head_dim, kr, head_dim, 0.0f, s, total_keys);
+    softmax_rows_inplace(s, nq, total_keys, total_keys);
+    round_rows(t, s, total_keys, nq, total_keys, s, total_keys);
+    mc_cpu_sgemm(1, 0, 0, nq, head_dim, total_keys, 1.0f, s, total_keys, vr, head_dim, 0.0f, ob, ldo);
 }
 
 mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
@@ -49,8 +85,11 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
     float *scores[64];
     if (threads > 64)
         threads = 64;
+    const int rounded = mc_attention_is_16bit(be, head_dim);
+    const size_t per_thread =
+        (size_t)(nq * total_keys) + (rounded ? (size_t)((nq + 2 * total_keys) * head_dim) : 0);
     for (int t = 0; t < threads; t++) {
-        scores[t] = mc_cpu_scratch(be, t, (size_t)(nq * total_keys), err);
+        scores[t] = mc_cpu_scratch(be, t, per_thread, err);
         if (scores[t] == NULL)
             return err->status;
     }
@@ -61,6 +100,11 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
         float *s = scores[omp_get_thread_num()];
         const float *qb = q + b * q_bstride + h * head_dim;
         float *ob = out + b * o_bstride + h * head_dim;
+        if (rounded) {
+            attention_pair_16bit(be->linear_wtype, nq, head_dim, scale, qb, ldq, segs, nsegs, b, (int)h,
+                                 total_keys, s, ob, ldo);
+            continue;
+        }
         int64_t col = 0;
         for (int g = 0; g < nsegs; g++) {
             if (segs[g].rows == 0)

@@ -7,12 +7,14 @@
  * the scores never reach global memory. Head dims up to 128 run on it (64
  * and 80 with the loop bounds fixed at compile time); larger head dims (the
  * VAE's single 512-wide head) and the reference mode use attention_naive, a
- * plain two-pass softmax, one block per query row.
+ * plain two-pass softmax, one block per query row. With a 16-bit weight type
+ * (mc_attention_is_16bit) the tensor-core kernel below runs instead.
  *
  * attention_mass: row statistics (max and 1 / sum of exponentials) per
  * (item, head, query), then one thread per (item, key) adds the
  * probabilities over heads and queries in the CPU's order. */
 #include <math.h>
+#include <mma.h>
 
 #include "cuda_internal.h"
 
@@ -214,6 +216,201 @@ __global__ void attention_naive_kernel(int64_t batch, int64_t nq, int heads, int
     }
 }
 
+
+/* ---- 16-bit tensor-core kernel (ops.h: autocast's attention) ---------------
+ *
+ * For a 16-bit linear_wtype and head dims D = 16, 32, ..., 128. One block per
+ * (item, head, 64 query rows); TC_WARPS = 4 warps own 16 query rows each. K
+ * and V stream through shared memory in tiles of TC_BK = 64 keys, converted
+ * to the 16-bit type T on the way in (q likewise, once). Per tile and warp:
+ *   S = Q_w K^T     WMMA 16x16x16, T operands, float32 accumulators, stored
+ *                   to shared memory (the fragments' element layout is
+ *                   opaque, the softmax needs rows);
+ *   softmax:        per row, the running max m and sum l in float32 (online
+ *                   softmax, exactly the segment merge of ops.h); p =
+ *                   exp(scale s - m) rounded to T; O *= exp(m_old - m_new);
+ *   O += P V        WMMA with the float32 O kept in shared memory.
+ * Keys past a segment's end load as zeros and score -inf (p = 0).
+ * Shared memory (dynamic, opted in above 48 KiB): Q, K, V tiles of
+ * 64 x (D + 8) T, scores 4 x 16 x 68 float, P 4 x 16 x 72 T, O 4 x 16 x (D + 4)
+ * float and 3 x 64 row statistics: 82,688 bytes at D = 80. Row strides keep
+ * every WMMA pointer 32-byte aligned and every leading dimension a multiple
+ * of 8 (T) or 4 (float) elements, as WMMA requires. */
+#define TC_WARPS 4
+#define TC_ROWS 16
+#define TC_BQ (TC_WARPS * TC_ROWS)
+#define TC_BK 64
+
+template <int D> struct tc_layout {
+    static constexpr int LDT = D + 8;      /* Q, K, V rows (T) */
+    static constexpr int LDS = TC_BK + 4;  /* scores (float) */
+    static constexpr int LDP = TC_BK + 8;  /* probabilities (T) */
+    static constexpr int LDO = D + 4;      /* output accumulators (float) */
+    static constexpr size_t round128(size_t b) { return (b + 127) / 128 * 128; }
+    static constexpr size_t q_off = 0;
+    static constexpr size_t k_off = q_off + round128((size_t)TC_BQ * LDT * 2);
+    static constexpr size_t v_off = k_off + round128((size_t)TC_BK * LDT * 2);
+    static constexpr size_t s_off = v_off + round128((size_t)TC_BK * LDT * 2);
+    static constexpr size_t p_off = s_off + round128((size_t)TC_BQ * LDS * 4);
+    static constexpr size_t o_off = p_off + round128((size_t)TC_BQ * LDP * 2);
+    static constexpr size_t stat_off = o_off + round128((size_t)TC_BQ * LDO * 4);
+    static constexpr size_t bytes = stat_off + round128((size_t)3 * TC_BQ * 4);
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * TC_WARPS)
+    tc_attention_kernel(int64_t nq, int heads, float scale, const float *q, int64_t ldq,
+                        int64_t q_bstride, att_segments segs, float *out, int64_t ldo,
+                        int64_t o_bstride, int64_t qtiles) {
+    using namespace nvcuda;
+    using L = tc_layout<D>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *qs = (T *)(smem + L::q_off), *ks = (T *)(smem + L::k_off), *vs = (T *)(smem + L::v_off);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float *sw = (float *)(smem + L::s_off) + warp * TC_ROWS * L::LDS;
+    T *pw = (T *)(smem + L::p_off) + warp * TC_ROWS * L::LDP;
+    float *ow = (float *)(smem + L::o_off) + warp * TC_ROWS * L::LDO;
+    float *mw = (float *)(smem + L::stat_off) + warp * TC_ROWS;
+    float *lw = mw + TC_BQ, *aw = mw + 2 * TC_BQ;
+
+    const int64_t tile = blockIdx.x % qtiles, bh = blockIdx.x / qtiles;
+    const int h = (int)(bh % heads);
+    const int64_t b = bh / heads, q0 = tile * TC_BQ;
+    const float *qb = q + b * q_bstride + (int64_t)h * D;
+
+    for (int i = threadIdx.x; i < TC_BQ * D; i += blockDim.x) {
+        const int r = i / D, d = i - r * D;
+        mc_store_rounded(qs + r * L::LDT + d, q0 + r < nq ? qb[(q0 + r) * ldq + d] : 0.0f);
+    }
+    for (int i = lane; i < TC_ROWS * L::LDO; i += 32)
+        ow[i] = 0.0f;
+    if (lane < TC_ROWS) {
+        mw[lane] = -INFINITY;
+        lw[lane] = 0.0f;
+    }
+
+    for (int g = 0; g < segs.count; g++) {
+        const int64_t rows = segs.rows[g], ld = segs.ld[g];
+        const float *kb = segs.k[g] + b * segs.bstride[g] + (int64_t)h * D;
+        const float *vb = segs.v[g] + b * segs.bstride[g] + (int64_t)h * D;
+        for (int64_t k0 = 0; k0 < rows; k0 += TC_BK) {
+            __syncthreads(); /* every warp is done with the previous K/V tile (and Q is in) */
+            for (int i = threadIdx.x; i < TC_BK * D; i += blockDim.x) {
+                const int r = i / D, d = i - r * D;
+                const int valid = k0 + r < rows;
+                mc_store_rounded(ks + r * L::LDT + d, valid ? kb[(k0 + r) * ld + d] : 0.0f);
+                mc_store_rounded(vs + r * L::LDT + d, valid ? vb[(k0 + r) * ld + d] : 0.0f);
+            }
+            __syncthreads();
+            const int valid_keys = rows - k0 < TC_BK ? (int)(rows - k0) : TC_BK;
+
+            for (int n = 0; n < TC_BK / 16; n++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::fill_fragment(acc, 0.0f);
+                for (int kk = 0; kk < D / 16; kk++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kt;
+                    wmma::load_matrix_sync(a, qs + warp * TC_ROWS * L::LDT + kk * 16, L::LDT);
+                    /* K row-major [key][d] read column-major is K^T. */
+                    wmma::load_matrix_sync(kt, ks + n * 16 * L::LDT + kk * 16, L::LDT);
+                    wmma::mma_sync(acc, a, kt, acc);
+                }
+                wmma::store_matrix_sync(sw + n * 16, acc, L::LDS, wmma::mem_row_major);
+            }
+            __syncwarp();
+
+            for (int r = 0; r < TC_ROWS; r++) {
+                const float s0 = lane < valid_keys ? scale * sw[r * L::LDS + lane] : -INFINITY;
+                const float s1 = lane + 32 < valid_keys ? scale * sw[r * L::LDS + lane + 32] : -INFINITY;
+                const float m_old = mw[r];
+                const float m_new = fmaxf(m_old, mc_warp_max(fmaxf(s0, s1)));
+                const float p0 = expf(s0 - m_new), p1 = expf(s1 - m_new);
+                const float sum = mc_warp_sum(p0 + p1);
+                mc_store_rounded(pw + r * L::LDP + lane, p0);
+                mc_store_rounded(pw + r * L::LDP + lane + 32, p1);
+                __syncwarp(); /* every lane has read mw[r] */
+                if (lane == 0) {
+                    const float alpha = expf(m_old - m_new); /* 0 on the first tile */
+                    mw[r] = m_new;
+                    lw[r] = lw[r] * alpha + sum;
+                    aw[r] = alpha;
+                }
+            }
+            __syncwarp();
+            for (int i = lane; i < TC_ROWS * D; i += 32) {
+                const int r = i / D, d = i - r * D;
+                ow[r * L::LDO + d] *= aw[r];
+            }
+            __syncwarp();
+
+            for (int j = 0; j < D / 16; j++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::load_matrix_sync(acc, ow + j * 16, L::LDO, wmma::mem_row_major);
+                for (int kk = 0; kk < TC_BK / 16; kk++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v;
+                    wmma::load_matrix_sync(p, pw + kk * 16, L::LDP);
+                    wmma::load_matrix_sync(v, vs + kk * 16 * L::LDT + j * 16, L::LDT);
+                    wmma::mma_sync(acc, p, v, acc);
+                }
+                wmma::store_matrix_sync(ow + j * 16, acc, L::LDO, wmma::mem_row_major);
+            }
+            __syncwarp();
+        }
+    }
+
+    float *ob = out + b * o_bstride + (int64_t)h * D;
+    for (int i = lane; i < TC_ROWS * D; i += 32) {
+        const int r = i / D, d = i - r * D;
+        const int64_t row = q0 + warp * TC_ROWS + r;
+        if (row < nq)
+            ob[row * ldo + d] = ow[r * L::LDO + d] / lw[r];
+    }
+}
+
+template <typename T, int D>
+static mc_status launch_tc(int64_t batch, int64_t nq, int heads, float scale, const float *q,
+                           int64_t ldq, int64_t q_bstride, const att_segments &segs, float *out,
+                           int64_t ldo, int64_t o_bstride, cudaStream_t stream, mc_err *err) {
+    const int64_t qtiles = (nq + TC_BQ - 1) / TC_BQ, blocks = batch * heads * qtiles;
+    if (blocks > 0x7fffffffLL)
+        return mc_fail(err, MC_ERR_VALUE, "cuda attention: %lld blocks exceed the grid limit",
+                       (long long)blocks);
+    const size_t bytes = tc_layout<D>::bytes;
+    MC_CUDA_TRY(cudaFuncSetAttribute(tc_attention_kernel<T, D>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                err);
+    tc_attention_kernel<T, D><<<(unsigned)blocks, 32 * TC_WARPS, bytes, stream>>>(
+        nq, heads, scale, q, ldq, q_bstride, segs, out, ldo, o_bstride, qtiles);
+    MC_CUDA_LAUNCHED("tc_attention_kernel", err);
+    return MC_OK;
+}
+
+template <typename T>
+static mc_status attention_16bit(int64_t batch, int64_t nq, int heads, int head_dim, float scale,
+                                 const float *q, int64_t ldq, int64_t q_bstride,
+                                 const att_segments &segs, float *out, int64_t ldo,
+                                 int64_t o_bstride, cudaStream_t stream, mc_err *err) {
+#define MC_TC_CASE(D)                                                                         \
+    case D:                                                                                   \
+        return launch_tc<T, D>(batch, nq, heads, scale, q, ldq, q_bstride, segs, out, ldo,    \
+                               o_bstride, stream, err);
+    switch (head_dim) {
+        MC_TC_CASE(16)
+        MC_TC_CASE(32)
+        MC_TC_CASE(48)
+        MC_TC_CASE(64)
+        MC_TC_CASE(80)
+        MC_TC_CASE(96)
+        MC_TC_CASE(112)
+        MC_TC_CASE(128)
+    default:
+        return mc_fail(err, MC_ERR_INTERNAL, "cuda attention: no 16-bit kernel for head dim %d",
+                       head_dim);
+    }
+#undef MC_TC_CASE
+}
+
 /* ---- host side ------------------------------------------------------------ */
 
 template <int NT, int DFIX>
@@ -254,6 +451,19 @@ mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads
         return mc_fail(err, MC_ERR_INTERNAL, "attention: %d heads of dim %d", heads, head_dim);
     MC_TRY(mc_cuda_enter(be, err));
     cuda_state *st = cuda_st(be);
+
+    if (mc_attention_is_16bit(be, head_dim)) {
+        if (st->naive)
+            return mc_fail(err, MC_ERR_VALUE,
+                           "cuda attention: the reference kernel is float32; 16-bit attention has "
+                           "only the tensor-core kernel");
+        if (be->linear_wtype == MC_WTYPE_BF16)
+            return attention_16bit<__nv_bfloat16>(batch, nq, heads, head_dim, scale, q, ldq,
+                                                  q_bstride, list, out, ldo, o_bstride,
+                                                  st->stream, err);
+        return attention_16bit<__half>(batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list,
+                                       out, ldo, o_bstride, st->stream, err);
+    }
 
     if (st->naive || head_dim > 32 * 4) {
         const int64_t items = batch * heads * nq;

@@ -7,8 +7,6 @@
  * So C = op(A) op(B) in row-major is C^T = op(B)^T op(A)^T in column-major:
  * cuBLAS gets (B, A) swapped, m and n swapped, and each keeps its own
  * transpose flag. */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <limits.h>
 #include <math.h>
 
@@ -70,15 +68,12 @@ __global__ void relu_kernel(float *y, int64_t ldy, int64_t rows, int64_t cols) {
 /* x [rows, in] (row stride ldx) -> contiguous 16-bit copy, rounded to
  * nearest even (the host's mc_f32_to_bf16 / mc_f32_to_f16 give the same
  * bits, so the CPU emulation of a 16-bit linear sees the same operands). */
-__device__ __forceinline__ void store_rounded(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_rounded(__half *p, float v) { *p = __float2half_rn(v); }
-
 template <typename T>
 __global__ void round_rows_kernel(const float *x, int64_t ldx, int64_t rows, int64_t in, T *out) {
     const int64_t n = rows * in;
     MC_GRID_STRIDE_LOOP(i, n) {
         int64_t r = i / in, c = i - r * in;
-        store_rounded(out + i, x[r * ldx + c]);
+        mc_store_rounded(out + i, x[r * ldx + c]);
     }
 }
 

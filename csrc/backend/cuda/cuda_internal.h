@@ -10,6 +10,8 @@
 #define MC_CUDA_INTERNAL_H
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -122,6 +124,12 @@ static inline unsigned mc_cuda_blocks(int64_t n, int threads) {
 #define MC_GRID_STRIDE_LOOP(i, n)                                                \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);    \
          i += (int64_t)gridDim.x * blockDim.x)
+
+/* ---- 16-bit storage ------------------------------------------------------ */
+
+/* Round to nearest even into the 16-bit type (the bits of core/half.h). */
+__device__ __forceinline__ void mc_store_rounded(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void mc_store_rounded(__half *p, float v) { *p = __float2half_rn(v); }
 
 /* ---- warp and block reductions ----------------------------------------- */
 
