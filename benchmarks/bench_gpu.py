@@ -284,7 +284,11 @@ def run_ours(key, weights, args, cfg, bench):
                     cell.update(seconds=times, best_seconds=best, ms_per_image=1e3 * best / batch,
                                 flops=info.flops, flops_expected=expected,
                                 flops_match=bool(abs(info.flops - expected) <= 1e-9 * expected),
-                                tflops_per_s=info.flops / best / 1e12, finite=bool(np.isfinite(tokens).all()))
+                                tflops_per_s=info.flops / best / 1e12, finite=bool(np.isfinite(tokens).all()),
+                                # AR steps whose head ran as a recorded CUDA graph (all, unless a
+                                # recording failed and the steps ran directly)
+                                head_graph_steps=int(sum(bool(st.get("head_graph")) for st in info.steps)),
+                                steps_run=len(info.steps))
                     note = "" if cell["flops_match"] else \
                         f"  [engine FLOPs {info.flops:.4g} != marcache.flops {expected:.4g}]"
                     log(f"{label} batch {batch} ours {title}: {best:.3f} s, {cell['ms_per_image']:.1f} ms/image, "

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU checks of issue #8, for a lent GPU machine (the device tool runs this over a copy
+# of the working tree). No GPU has been lent to the sessions that wrote the CUDA backend, so
+# this is the first thing a session with one should run:
+#
+#   run(command="bash tools/gpu_session.sh build tests", carry=[".whl"])         # ~5 min
+#   run(command="bash tools/gpu_session.sh bench --quick", carry=[".whl", ".official"])
+#   run(command="bash tools/gpu_session.sh bench --batches 256", carry=[".whl", ".official"])
+#
+# Steps (any order, default all): build (MARCACHE_CUDA=1, in place; kept between calls on a
+# warm machine), tests (MARCACHE_REQUIRE_CUDA=1: every CUDA test, which fail instead of
+# skipping), bench [ARGS] (benchmarks/bench_gpu.py ARGS, default --quick). Logs and JSON go
+# to $OUT (the device tool brings them back) or ./gpu_out.
+#
+# Carried folders (ignored by git; see the device README): .whl holds the wheels the
+# machine lacks, here scipy-openblas32 for Python 3.12:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32==0.3.34.481.3
+# .official/mar is the official LTH14/mar tree for the side-by-side benchmark
+# (benchmarks/bench_gpu.py's docstring says how to export it).
+set -u -o pipefail
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build tests bench)
+for step in "${steps[@]}"; do
+    case "$step" in
+    build | tests) ;;
+    bench) break ;; # the rest are the benchmark's arguments
+    *)
+        echo "unknown step '$step' (build, tests, bench [ARGS])" >&2
+        exit 2
+        ;;
+    esac
+done
+
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+status=0
+
+run_build() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
+        | tee "$OUT/gpu.txt"
+    if ! MARCACHE_CUDA=1 "$PY" setup.py build_ext --inplace -f > "$OUT/build.log" 2>&1; then
+        tail -40 "$OUT/build.log"
+        return 1
+    fi
+    "$PY" -c "import json, marcache; print(json.dumps(marcache.build_info()))" \
+        | tee "$OUT/build_info.json"
+}
+
+run_tests() {
+    (cd tests && MARCACHE_REQUIRE_CUDA=1 "$PY" -m pytest -q -rfEs --durations=15 \
+        test_cuda_build.py test_ops.py test_cuda_ops_extra.py test_devices.py 2>&1) \
+        | tee "$OUT/tests.log" | tail -60
+}
+
+run_bench() {
+    local args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=(--quick)
+    "$PY" benchmarks/bench_gpu.py "${args[@]}" --time-budget "${BENCH_SECONDS:-480}" \
+        --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+}
+
+i=0
+while [ $i -lt ${#steps[@]} ]; do
+    case "${steps[$i]}" in
+    build) run_build || { status=1; break; } ;;
+    tests) run_tests || status=1 ;;
+    bench)
+        # everything after "bench" is the benchmark's arguments
+        run_bench "${steps[@]:$((i + 1))}" || status=1
+        break
+        ;;
+    esac
+    i=$((i + 1))
+done
+exit $status
