@@ -104,14 +104,18 @@ static cudaError_t pool_malloc(cuda_state *st, void **p, size_t bytes) {
     return cudaMalloc(p, bytes);
 }
 
+/* Allocation, upload and download cannot be part of a graph recording
+ * (ops.h): while one runs they fail, and so does the recording. */
+static mc_status refuse_while_recording(cuda_state *st, const char *what, mc_err *err) {
+    if (!st->capturing)
+        return MC_OK;
+    st->capture_failed = 1;
+    return mc_fail(err, MC_ERR_INTERNAL, "cuda: %s while recording a graph", what);
+}
+
 static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
     cuda_state *st = cuda_st(be);
-    if (st->capturing) {
-        st->capture_failed = 1;
-        mc_fail(err, MC_ERR_INTERNAL, "cuda: allocation of %zu bytes while recording a graph", bytes);
-        return NULL;
-    }
-    if (mc_cuda_enter(be, err) != MC_OK)
+    if (refuse_while_recording(st, "allocation", err) != MC_OK || mc_cuda_enter(be, err) != MC_OK)
         return NULL;
     /* A request larger than the whole device is refused here: the driver's
      * answer to absurd sizes is not documented (an allocator may assert on
@@ -181,26 +185,22 @@ void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err) {
     return st->scratch[slot];
 }
 
-/* Host memory is returned to the caller when upload returns: a small upload
- * is first copied into the pinned ring (the ring slot then stays untouched
- * until the stream has passed its copy), a large one waits for its copy
- * (cudaMemcpyAsync from pageable memory may return before the bytes are
- * read). Uploads up to this size go through the pinned staging ring; larger ones
- * (weights at load, token batches) copy and wait. */
+/* Host memory is returned to the caller when upload returns. An upload of
+ * up to MC_UPLOAD_STAGED_MAX bytes (index lists, per-step vectors) is
+ * copied into the pinned ring, whose slot stays untouched until the stream
+ * has passed its copy; a larger one (weights at load) waits for its copy,
+ * since cudaMemcpyAsync from pageable memory may return before the bytes
+ * are read. */
 #define MC_CUDA_STAGING_BYTES ((size_t)8 << 20)
-#define MC_CUDA_STAGED_MAX MC_UPLOAD_STAGED_MAX
 
 static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, size_t bytes,
                              mc_err *err) {
     cuda_state *st = cuda_st(be);
     if (bytes == 0)
         return MC_OK;
-    if (st->capturing) {
-        st->capture_failed = 1;
-        return mc_fail(err, MC_ERR_INTERNAL, "cuda: upload while recording a graph");
-    }
+    MC_TRY(refuse_while_recording(st, "upload", err));
     MC_TRY(mc_cuda_enter(be, err));
-    if (bytes <= MC_CUDA_STAGED_MAX) {
+    if (bytes <= MC_UPLOAD_STAGED_MAX) {
         if (st->staging == NULL)
             MC_CUDA_TRY(cudaMallocHost((void **)&st->staging, MC_CUDA_STAGING_BYTES), err);
         const size_t aligned = (bytes + 255) & ~(size_t)255;
@@ -229,10 +229,7 @@ static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, 
     cuda_state *st = cuda_st(be);
     if (bytes == 0)
         return MC_OK;
-    if (st->capturing) {
-        st->capture_failed = 1;
-        return mc_fail(err, MC_ERR_INTERNAL, "cuda: download while recording a graph");
-    }
+    MC_TRY(refuse_while_recording(st, "download", err));
     MC_TRY(mc_cuda_enter(be, err));
     be->syncs++;
     MC_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st->stream), err);
