@@ -37,6 +37,23 @@ def _retention_64():
 RETENTION_64 = _retention_64()
 
 
+def _check_fields(cache, what, flags, lower_bounds):
+    """The checks both cache configurations share: boolean switches, integer fields with
+    lower bounds, and LazyMAR's head-cache settings (which MARche reuses)."""
+    for flag in flags:
+        if not isinstance(getattr(cache, flag), bool):
+            raise TypeError(f"{what}.{flag} must be True or False, got {getattr(cache, flag)!r}")
+    for name, low in tuple(lower_bounds) + (("head_period", 1), ("head_skip_first", 0), ("head_skip_last", -1)):
+        value = getattr(cache, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what}.{name} must be an integer >= {low}, got {value!r}")
+    if cache.head_skip_last < cache.head_skip_first - 1:
+        raise ValueError(f"{what}.head_skip_last must be >= head_skip_first - 1 (an empty range)")
+    above = cache.head_recompute_above
+    if not isinstance(above, (int, float)) or not 0.0 <= above <= 1.0:
+        raise ValueError(f"{what}.head_recompute_above must be in [0, 1], got {above!r}")
+
+
 @dataclass(frozen=True)
 class LazyMAR:
     """LazyMAR (Yan et al., ICCV 2025) as the official code runs it, at any step count.
@@ -88,22 +105,12 @@ class LazyMAR:
     name = "lazymar"
 
     def __post_init__(self):
-        for flag in ("token_cache", "cond_cache", "head_cache"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"LazyMAR.{flag} must be True or False, got {getattr(self, flag)!r}")
-        for name, low in (("start", 0), ("period", 1), ("select_layer", 0), ("margin", 0), ("head_period", 1),
-                          ("head_skip_first", 0), ("head_skip_last", -1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LazyMAR.{name} must be an integer >= {low}, got {value!r}")
-        if self.head_skip_last < self.head_skip_first - 1:
-            raise ValueError("LazyMAR.head_skip_last must be >= head_skip_first - 1 (an empty range)")
+        _check_fields(self, "LazyMAR", ("token_cache", "cond_cache", "head_cache"),
+                      (("start", 0), ("period", 1), ("select_layer", 0), ("margin", 0)))
         table = tuple(float(r) for r in self.retention)
         if len(table) != 64 or not all(0.0 <= r <= 1.0 for r in table):
             raise ValueError("LazyMAR.retention must be 64 fractions in [0, 1] (the 64-step table)")
         object.__setattr__(self, "retention", table)
-        if not (isinstance(self.head_recompute_above, (int, float)) and 0.0 <= self.head_recompute_above <= 1.0):
-            raise ValueError(f"LazyMAR.head_recompute_above must be in [0, 1], got {self.head_recompute_above!r}")
 
     @classmethod
     def preset(cls, steps, **overrides):
@@ -212,17 +219,11 @@ class MARche:
     name = "marche"
 
     def __post_init__(self):
-        for flag in ("encoder_cache", "cond_cache", "head_cache"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"MARche.{flag} must be True or False, got {getattr(self, flag)!r}")
+        _check_fields(self, "MARche", ("encoder_cache", "cond_cache", "head_cache"),
+                      (("select_layer", 1), ("full_layers", 1), ("refresh_period", 1), ("refresh_phase", 0)))
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
                                         or self.budget < 1):
             raise ValueError(f"MARche.budget must be None or an integer >= 1, got {self.budget!r}")
-        for name, low in (("select_layer", 1), ("full_layers", 1), ("refresh_period", 1),
-                          ("refresh_phase", 0), ("head_period", 1), ("head_skip_first", 0), ("head_skip_last", -1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"MARche.{name} must be an integer >= {low}, got {value!r}")
         if self.select_layer > self.full_layers:
             raise ValueError(f"MARche.select_layer ({self.select_layer}) must be one of the full layers "
                              f"1..full_layers ({self.full_layers})")
@@ -230,8 +231,6 @@ class MARche:
             raise ValueError(f"MARche.candidates must be 'all' or 'image', got {self.candidates!r}")
         if self.refresh not in ("high", "low"):
             raise ValueError(f"MARche.refresh must be 'high' or 'low', got {self.refresh!r}")
-        if not 0.0 <= self.head_recompute_above <= 1.0:
-            raise ValueError("MARche.head_recompute_above must be in [0, 1]")
 
     def is_full_step(self, step):
         return step < self.refresh_phase or (step - self.refresh_phase) % self.refresh_period == 0

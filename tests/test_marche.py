@@ -105,7 +105,8 @@ def test_flop_ceiling_of_the_decoder_only_reading():
 
 
 @pytest.mark.parametrize("kwargs", [dict(budget=0), dict(select_layer=3, full_layers=2), dict(refresh_period=0),
-                                    dict(candidates="buffer"), dict(refresh="random"), dict(encoder_cache=1)])
+                                    dict(candidates="buffer"), dict(refresh="random"), dict(encoder_cache=1),
+                                    dict(head_skip_first=3, head_skip_last=1), dict(head_recompute_above=1.5)])
 def test_bad_configs_are_refused(kwargs):
     with pytest.raises((ValueError, TypeError)):
         mc.MARche(**kwargs)
