@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import zipfile
-import zlib
 from collections import OrderedDict
 
 import numpy as np
@@ -25,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 import marcache as mc
 from marcache import _C
 from marcache import convert as conv
+from reference import inception as ref_inception
 from reference import mar as ref_mar
 from reference import vae as ref_vae
 
@@ -372,16 +372,6 @@ def test_vqvae_keeps_the_decoding_tensors(converted):
     assert (meta["kind"], meta["vocab"], meta["num_phi"], meta["ch_mult"]) == ("vqvae", "16", "4", "1,2")
 
 
-def inception_value(name, shape):
-    """Mirror of make_torch_fixtures.inception_value (which needs torch to import)."""
-    n = int(np.prod(shape))
-    seed = zlib.crc32(name.encode()) % 97
-    v = ((np.arange(n, dtype=np.int64) * 7 + seed) % 61 - 30).astype(np.float32) / 16
-    if name.endswith("running_var"):
-        v = np.abs(v) + 0.5
-    return v.reshape(shape)
-
-
 def test_inception_full_layout_from_torchvision_in_legacy_format(tmp_path):
     src = tmp_path / "pt_inception-layout.pth"
     with lzma.open(fx("inception_layout_legacy.pth.xz")) as f, open(src, "wb") as out:
@@ -394,7 +384,7 @@ def test_inception_full_layout_from_torchvision_in_legacy_format(tmp_path):
     st = load_file(str(dst))
     assert set(st) == set(conv.inception_expected_shapes())
     for name, arr in st.items():
-        np.testing.assert_array_equal(arr, inception_value(name, arr.shape), err_msg=name)
+        np.testing.assert_array_equal(arr, ref_inception.layout_fill(name, arr.shape), err_msg=name)
     assert st["fc.weight"].shape == (1008, 2048)
     assert st["Mixed_7c.branch3x3dbl_3b.conv.weight"].shape == (384, 384, 3, 1)
 

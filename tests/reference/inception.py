@@ -14,6 +14,8 @@ ReLU, applied unfolded here (the engine folds BN into the conv). Weights
 use pytorch-fid's state_dict names; every width is read from the weights,
 so narrower test networks of the same topology run too.
 """
+import zlib
+
 import numpy as np
 
 from . import ops
@@ -210,3 +212,16 @@ def forward(w, images):
     pool = x.mean(axis=(1, 2))
     logits = pool @ np.float64(w["fc.weight"]).T
     return pool, logits
+
+
+def layout_fill(name, shape):
+    """The fill of the committed Inception layout fixture
+    (tests/fixtures/inception_layout_legacy.pth.xz, made by make_torch_fixtures.py):
+    periodic, so the file compresses to almost nothing, and recomputed by
+    test_convert from the key name alone."""
+    n = int(np.prod(shape))
+    seed = zlib.crc32(name.encode()) % 97
+    v = ((np.arange(n, dtype=np.int64) * 7 + seed) % 61 - 30).astype(np.float32) / 16
+    if name.endswith("running_var"):
+        v = np.abs(v) + 0.5
+    return v.reshape(shape)
