@@ -53,3 +53,16 @@ def model_loader(path, W, heads):
         return models[diffusion_steps]
 
     return model
+
+
+# The amplified tiny model both cache-reference tests run (test_lazymar_reference,
+# test_marche_reference): decoder layers 0..4, so LazyMAR's select_layer 3 has one later
+# layer and MARche's full_layers 2 or 3 leave 3 or 2 cache-aware layers; head res blocks
+# 0..5, so blocks 1..4 are skippable and 0 and 5 reused or recomputed.
+AMPLIFIED = dict(dim=16, depth=5, heads=2, head_width=16, head_depth=6, qkv_gain=10.0, head_gain=10.0)
+
+
+def amplified_tiny(tmp_dir, seed=1):
+    """(load(diffusion_steps) -> model, W): the AMPLIFIED model written under tmp_dir."""
+    W = amplified_mar_weights(seed, **AMPLIFIED)
+    return model_loader(tmp_dir / "tiny.safetensors", W, AMPLIFIED["heads"]), W

@@ -10,11 +10,12 @@ row indices; test_row_choice_is_visible_in_tokens shows that choosing one
 different row moves the tokens far beyond the tolerance on these models, so
 matching tokens does check which rows were kept.
 
-The models' attention QKV weights are scaled up (QKV_GAIN) so that attention
-is sharp enough for stale K/V and the row choice to matter; with the plain
+The models' attention QKV weights are scaled up (qkv_gain of
+mar_fixtures.AMPLIFIED) so that attention is sharp enough for stale K/V and
+the row choice to matter; with the plain
 0.05-scale random weights every layer-3 V cosine is ~0.99999 and the
 selection would be a near tie with no visible effect. Likewise the head's
-cond_embed / adaLN / MLP weights (HEAD_GAIN): with the plain weights the res
+cond_embed / adaLN / MLP weights (head_gain): with the plain weights the res
 blocks barely move h, and switching the whole head cache off changed the
 tokens by less than the tolerance. test_head_cache_is_visible_in_tokens
 checks that each head-cache rule now matters.
@@ -23,17 +24,11 @@ import numpy as np
 import pytest
 
 import marcache as mc
-from mar_fixtures import amplified_mar_weights, model_loader, rel_err
+from mar_fixtures import AMPLIFIED, amplified_tiny, rel_err
 from reference import lazymar as LZ
 from reference import mar as R
 
-HEADS = 2
-DIM = 16
-DEPTH = 5          # decoder layers 0..4: select_layer 3 has one later layer
-HEAD_WIDTH = 16
-HEAD_DEPTH = 6     # res blocks 1..4 skippable, 0 and 5 reused/recomputed
-QKV_GAIN = 10.0    # attention sharpness, see the module docstring
-HEAD_GAIN = 10.0   # head cond_embed / adaLN / MLP weights: the head cache has a visible effect
+HEADS = AMPLIFIED["heads"]  # the model: mar_fixtures.AMPLIFIED
 TOL = 1e-5
 STEPS = 8
 SCHEDULE = dict(start=2, period=4)   # full steps 0, 1, 2, 6; cached 3, 4, 5, 7
@@ -41,14 +36,9 @@ SCHEDULE = dict(start=2, period=4)   # full steps 0, 1, 2, 6; cached 3, 4, 5, 7
 RETENTION = tuple([1.0] * 16 + [0.5] * 16 + [0.15] * 16 + [0.4] * 16)
 
 
-def _weights(seed):
-    return amplified_mar_weights(seed, DIM, DEPTH, HEADS, HEAD_WIDTH, HEAD_DEPTH, QKV_GAIN, HEAD_GAIN)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    W = _weights(1)
-    return model_loader(tmp_path_factory.mktemp("lazymar") / "tiny.safetensors", W, HEADS), W
+    return amplified_tiny(tmp_path_factory.mktemp("lazymar"))
 
 
 def _run_both(tiny, lz, labels, cfg, diffusion_steps, num_images=None, steps=STEPS, seed=3, first_index=1,

@@ -9,11 +9,11 @@ steps are full, the active rows of every cached sequence on every cached step
 encoder_rows and the number of cached head timesteps.
 
 As in the LazyMAR reference test the attention QKV weights are scaled up
-(QKV_GAIN) so that attention is sharp: stale K/V and the choice of refreshed
-rows then matter, and test_row_choice_is_visible_in_tokens shows that
+(qkv_gain of mar_fixtures.AMPLIFIED) so that attention is sharp: stale K/V
+and the choice of refreshed rows then matter, and test_row_choice_is_visible_in_tokens shows that
 swapping one active row for the next-ranked candidate at every cached step
 moves the tokens far beyond the tolerance. The head's cond_embed / adaLN /
-MLP weights are scaled up too (HEAD_GAIN) so that the head cache matters
+MLP weights are scaled up too (head_gain) so that the head cache matters
 (test_composed_options_are_visible_in_tokens). Every selection boundary
 must have a relative relevance gap of at least GAP_MIN, so the float32
 ranking of the engine is well defined: feeding the engine's tokens into the
@@ -25,17 +25,11 @@ import numpy as np
 import pytest
 
 import marcache as mc
-from mar_fixtures import amplified_mar_weights, model_loader, rel_err
+from mar_fixtures import AMPLIFIED, amplified_tiny, rel_err
 from reference import marche as MC
 from reference import mar as R
 
-HEADS = 2
-DIM = 16
-DEPTH = 5          # decoder layers 0..4: full_layers 2 or 3 leaves 3 or 2 cache-aware layers
-HEAD_WIDTH = 16
-HEAD_DEPTH = 6
-QKV_GAIN = 10.0    # attention sharpness, see the module docstring
-HEAD_GAIN = 10.0   # head cond_embed / adaLN / MLP weights: the head cache has a visible effect
+HEADS = AMPLIFIED["heads"]  # the model: mar_fixtures.AMPLIFIED
 TOL = 1e-5
 GAP_MIN = 1e-4     # relative relevance gap at every selection boundary
 STEPS = 8          # n_pred 5, 15, 24, 31, 39, 45, 48, 49
@@ -43,14 +37,9 @@ P, S = 64, 256
 L = P + S
 
 
-def _weights(seed):
-    return amplified_mar_weights(seed, DIM, DEPTH, HEADS, HEAD_WIDTH, HEAD_DEPTH, QKV_GAIN, HEAD_GAIN)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    W = _weights(1)
-    return model_loader(tmp_path_factory.mktemp("marche_ref") / "tiny.safetensors", W, HEADS), W
+    return amplified_tiny(tmp_path_factory.mktemp("marche_ref"))
 
 
 # name -> (config, run arguments); the engine runs are shared between tests
