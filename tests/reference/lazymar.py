@@ -315,6 +315,40 @@ def select_rows(score, forced, n):
     return chosen, gap
 
 
+def cfg_sequences(W, labels_or_None, num_images, cfg, cond_cache):
+    """The sequences a cache-policy reference runs (shared by the LazyMAR and
+    MARche references): (cfg_on, use_cond, nseq, cls [nseq, D], seq_img [nseq]),
+    rows 0..B-1 conditional, B..2B-1 unconditional (fake_latent) with CFG."""
+    B = int(num_images)
+    cfg_on = cfg != 1.0
+    use_cond = bool(cond_cache) and cfg_on
+    nseq = 2 * B if cfg_on else B
+    cls = R.class_vectors(W, labels_or_None, B)
+    if cfg_on:
+        cls = np.concatenate([cls, np.repeat(_w(W, "fake_latent"), B, axis=0)])
+    return cfg_on, use_cond, nseq, cls, np.arange(nseq) % B
+
+
+def step_masks(mask, orders, mask_len, last):
+    """(mask after this step, tokens predicted now) from the mask before it."""
+    mask_next = np.zeros_like(mask)
+    mask_next[np.arange(mask.shape[0])[:, None], orders[:, :mask_len]] = True
+    return mask_next, (mask.copy() if last else mask & ~mask_next)
+
+
+def sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, temperature, tables, policy):
+    """Conditions the head on the predicted rows of x_c (and x_u with CFG), samples
+    them with the policy's head cache and writes them into tokens. Returns the
+    number of cached head timesteps."""
+    rows_b, rows_pos = np.nonzero(pred)
+    z_c = condition_rows(W, x_c, rows_b, rows_pos)
+    z_u = condition_rows(W, x_u, rows_b, rows_pos) if x_u is not None else None
+    sampled, head_cached = head_sample_lazymar(W, z_c, z_u, first_index + rows_b, rows_pos, seed, temperature,
+                                               cfg_iter, tables, policy)
+    tokens[rows_b, rows_pos] = sampled.astype(np.float32)
+    return head_cached
+
+
 def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_schedule, temperature, seed,
                             first_index, heads, lz, tables=None):
     """MAR sampling with LazyMAR (lazymar.md), Philox orders and noise as in
@@ -339,13 +373,7 @@ def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_sched
     B = int(num_images)
     if tables is None:
         tables = R.diffusion_tables()
-    cfg_on = cfg != 1.0
-    use_cond = bool(lz.cond_cache) and cfg_on
-    nseq = 2 * B if cfg_on else B
-    cls = R.class_vectors(W, labels_or_None, B)
-    if cfg_on:
-        cls = np.concatenate([cls, np.repeat(_w(W, "fake_latent"), B, axis=0)])
-    seq_img = np.arange(nseq) % B
+    cfg_on, use_cond, nseq, cls, seq_img = cfg_sequences(W, labels_or_None, B, cfg, lz.cond_cache)
     if lz.token_cache:
         cached = np.arange(B) if (use_cond or not cfg_on) else np.arange(2 * B)
     else:
@@ -361,9 +389,7 @@ def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_sched
     log = []
     for k, (m_before, mask_len, n_pred) in enumerate(R.mask_schedule(S, steps)):
         assert np.all(mask.sum(axis=1) == m_before)
-        mask_next = np.zeros_like(mask)
-        mask_next[np.arange(B)[:, None], orders[:, :mask_len]] = True
-        pred = mask.copy() if k == steps - 1 else mask & ~mask_next
+        mask_next, pred = step_masks(mask, orders, mask_len, k == steps - 1)
         full = is_full_step(lz, k)
         entry = dict(step=k, full=full, n_pred=n_pred, kept=None, n_keep=L, select_gap=np.inf)
         tok_seq = ops.f64(tokens)[seq_img]
@@ -402,16 +428,12 @@ def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_sched
             entry.update(sequences=len(run), encoder_rows=len(run) * out["enc_rows"])
 
         mask = mask_next
-        rows_b, rows_pos = np.nonzero(pred)
-        assert len(rows_b) == B * n_pred
+        assert pred.sum() == B * n_pred
         cfg_iter = R.cfg_schedule(cfg, cfg_schedule, mask_len, S) if cfg_on else 1.0
         head_cached = 0
         if n_pred > 0:
-            z_c = condition_rows(W, x_c, rows_b, rows_pos)
-            z_u = condition_rows(W, x_u, rows_b, rows_pos) if cfg_on else None
-            sampled, head_cached = head_sample_lazymar(W, z_c, z_u, first_index + rows_b, rows_pos, seed,
-                                                       temperature, cfg_iter, tables, lz)
-            tokens[rows_b, rows_pos] = sampled.astype(np.float32)
+            head_cached = sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, temperature,
+                                           tables, lz)
             prev_pred = pred.copy()
             p_prev = n_pred
         entry.update(cfg_iter=cfg_iter, head_cached=head_cached)

@@ -240,13 +240,7 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
     B = int(num_images)
     if tables is None:
         tables = R.diffusion_tables()
-    cfg_on = cfg != 1.0
-    use_cond = bool(mc.cond_cache) and cfg_on
-    nseq = 2 * B if cfg_on else B
-    cls = R.class_vectors(W, labels_or_None, B)
-    if cfg_on:
-        cls = np.concatenate([cls, np.repeat(_w(W, "fake_latent"), B, axis=0)])
-    seq_img = np.arange(nseq) % B
+    cfg_on, use_cond, nseq, cls, seq_img = LZ.cfg_sequences(W, labels_or_None, B, cfg, mc.cond_cache)
     cached = np.arange(B) if (use_cond or not cfg_on) else np.arange(2 * B)
     nc = len(cached)
     img_c = seq_img[cached]
@@ -260,9 +254,7 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
     log = []
     for k, (m_before, mask_len, n_pred) in enumerate(R.mask_schedule(S, steps)):
         assert np.all(mask.sum(axis=1) == m_before)
-        mask_next = np.zeros_like(mask)
-        mask_next[np.arange(B)[:, None], orders[:, :mask_len]] = True
-        pred = mask.copy() if k == steps - 1 else mask & ~mask_next
+        mask_next, pred = LZ.step_masks(mask, orders, mask_len, k == steps - 1)
         full = is_full_step(mc, k)
         entry = dict(step=k, full=full, n_pred=n_pred, active=None, n_active=L, select_gap=np.inf,
                      relevance=None)
@@ -304,16 +296,12 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
                          encoder_rows=nc * enc_rows, select_gap=float(min(gaps)), relevance=rel)
 
         mask = mask_next
-        rows_b, rows_pos = np.nonzero(pred)
-        assert len(rows_b) == B * n_pred
+        assert pred.sum() == B * n_pred
         cfg_iter = R.cfg_schedule(cfg, cfg_schedule, mask_len, S) if cfg_on else 1.0
         head_cached = 0
         if n_pred > 0:
-            z_c = LZ.condition_rows(W, x_c, rows_b, rows_pos)
-            z_u = LZ.condition_rows(W, x_u, rows_b, rows_pos) if cfg_on else None
-            sampled, head_cached = LZ.head_sample_lazymar(W, z_c, z_u, first_index + rows_b, rows_pos, seed,
-                                                          temperature, cfg_iter, tables, mc)
-            tokens[rows_b, rows_pos] = sampled.astype(np.float32)
+            head_cached = LZ.sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, temperature,
+                                              tables, mc)
             prev_pred = pred.copy()
             p_prev = n_pred
         entry.update(cfg_iter=cfg_iter, head_cached=head_cached)
