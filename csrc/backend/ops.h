@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../core/half.h"
 #include "../core/mc_core.h"
 
 typedef struct mc_backend mc_backend;
@@ -31,6 +32,16 @@ static inline size_t mc_wtype_size(mc_wtype t) { return t == MC_WTYPE_F32 ? 4 : 
 static inline const char *mc_wtype_name(mc_wtype t) {
     return t == MC_WTYPE_BF16 ? "bf16" : t == MC_WTYPE_F16 ? "fp16" : "fp32";
 }
+
+/* Conversions of one value for a 16-bit type t (BF16 or F16; core/half.h):
+ * the stored bits, their value, and a float rounded to the type. */
+static inline uint16_t mc_wtype_pack(mc_wtype t, float v) {
+    return t == MC_WTYPE_BF16 ? mc_f32_to_bf16(v) : mc_f32_to_f16(v);
+}
+static inline float mc_wtype_unpack(mc_wtype t, uint16_t h) {
+    return t == MC_WTYPE_BF16 ? mc_bf16_to_f32(h) : mc_f16_to_f32(h);
+}
+static inline float mc_wtype_round(mc_wtype t, float v) { return mc_wtype_unpack(t, mc_wtype_pack(t, v)); }
 
 /* One block of keys/values that queries attend to. Row r of batch item b,
  * head h starts at k + b * batch_stride + r * ld + h * head_dim (same for v).

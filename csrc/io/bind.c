@@ -3,8 +3,6 @@
  * everything it uploaded. */
 #include "bind.h"
 
-#include "../core/half.h"
-
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -166,9 +164,8 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
             host_src = scratch + numel;
         } else if (to_16bit) {
             uint16_t *packed = (uint16_t *)(scratch + numel);
-            const int bf16 = be->linear_wtype == MC_WTYPE_BF16;
             for (size_t i = 0; i < numel; i++)
-                packed[i] = bf16 ? mc_f32_to_bf16(scratch[i]) : mc_f32_to_f16(scratch[i]);
+                packed[i] = mc_wtype_pack(be->linear_wtype, scratch[i]);
             host_src = packed;
         } else {
             host_src = scratch;

@@ -94,7 +94,6 @@
 
 #include "../backend/cpu/cpu_internal.h" /* the plain-loop conv references (naive=True) */
 #include "../backend/ops.h"
-#include "../core/half.h"
 #include "py_backend.h"
 #ifdef MC_HAVE_CUDA
 #include "../backend/cuda/cuda_backend.h"
@@ -766,7 +765,7 @@ static int narrow_weight(op_call *call, operand *w, mc_wtype wtype) {
     uint16_t *dst = PyArray_DATA(bits);
     npy_intp n = PyArray_SIZE(bits);
     for (npy_intp i = 0; i < n; i++)
-        dst[i] = wtype == MC_WTYPE_BF16 ? mc_f32_to_bf16(src[i]) : mc_f32_to_f16(src[i]);
+        dst[i] = mc_wtype_pack(wtype, src[i]);
     Py_DECREF(w->host);
     w->host = bits;
     w->typenum = NPY_UINT16;

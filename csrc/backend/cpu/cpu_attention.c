@@ -11,7 +11,6 @@
 #include <math.h>
 #include <omp.h>
 
-#include "../../core/half.h"
 #include "cpu_internal.h"
 
 static void softmax_rows_inplace(float *s, int64_t rows, int64_t cols, int64_t ld) {
@@ -31,16 +30,12 @@ static void softmax_rows_inplace(float *s, int64_t rows, int64_t cols, int64_t l
     }
 }
 
-static float round_to_wtype(mc_wtype t, float v) {
-    return t == MC_WTYPE_BF16 ? mc_bf16_to_f32(mc_f32_to_bf16(v)) : mc_f16_to_f32(mc_f32_to_f16(v));
-}
-
 /* dst[r, :cols] = 16-bit rounding of src[r, :cols] (row strides lds, ldd). */
 static void round_rows(mc_wtype t, const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst,
                        int64_t ldd) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++)
-            dst[r * ldd + c] = round_to_wtype(t, src[r * lds + c]);
+            dst[r * ldd + c] = mc_wtype_round(t, src[r * lds + c]);
 }
 
 /* The 16-bit form of attention for one (item, head) (ops.h): rounded copies

@@ -3,7 +3,6 @@
 #include <math.h>
 #include <string.h>
 
-#include "../../core/half.h"
 #include "../../core/philox.h"
 #include "cpu_internal.h"
 
@@ -60,14 +59,11 @@ static mc_status widen_linear_operands(mc_backend *be, const float *x, int64_t l
     const int threads = mc_cpu_threads(be);
 #pragma omp parallel for schedule(static) num_threads(threads) if (out * in >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t i = 0; i < out * in; i++)
-        wf[i] = wt == MC_WTYPE_BF16 ? mc_bf16_to_f32(wh[i]) : mc_f16_to_f32(wh[i]);
+        wf[i] = mc_wtype_unpack(wt, wh[i]);
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * in >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < in; i++) {
-            float v = x[r * ldx + i];
-            xf[r * in + i] = wt == MC_WTYPE_BF16 ? mc_bf16_to_f32(mc_f32_to_bf16(v))
-                                                 : mc_f16_to_f32(mc_f32_to_f16(v));
-        }
+        for (int64_t i = 0; i < in; i++)
+            xf[r * in + i] = mc_wtype_round(wt, x[r * ldx + i]);
     *x_used = xf;
     *w_used = wf;
     return MC_OK;
