@@ -74,8 +74,8 @@ def plan_inception(ck):
         hint = " (this looks like torchvision's ImageNet Inception-v3, not the FID weights)"
     _compare(path, "FID Inception key set (eval_and_formats.md section 3: Inception3 with 1008 classes, no aux "
              "logits)" + hint, expected, sd, optional=counters)
-    _check_float(path, collections.OrderedDict((k, sd[k]) for k in expected))
     tensors = collections.OrderedDict((k, sd[k]) for k in expected)
+    _check_float(path, tensors)
     meta = {"num_classes": INCEPTION_NUM_CLASSES, "bn_eps": "0.001", "features": "2048",
             "variant": "pytorch-fid FID Inception (TF inception-2015-12-05)"}
     notes = ["FID Inception: 94 BasicConv2d + fc 2048 -> 1008"]

@@ -116,6 +116,12 @@ class _Storage:
         return buf
 
 
+def _extent(shape, stride):
+    """How many storage elements a non-empty strided view spans, from its first
+    element to its last (what must be read, and what must fit in the storage)."""
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+
+
 class LazyTensor:
     """A tensor of a checkpoint that is read only when materialised.
 
@@ -161,7 +167,7 @@ class LazyTensor:
         dt = _np_dtype(self.dtype, ck.byteorder)
         if self.numel == 0:
             return np.empty(self.shape, dt.newbyteorder("="))
-        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        extent = _extent(self.shape, self.stride)
         buf = self.storage.read(self.offset * dt.itemsize, extent * dt.itemsize)
         flat = np.frombuffer(buf, dtype=dt)
         if self.is_contiguous():

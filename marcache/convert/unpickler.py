@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 
 from .tensors import (_ST_DTYPES, _STORAGE_CLASSES, _TORCH_DTYPES, CheckpointError, LazyTensor, UnsafeCheckpointError,
-                      _Storage)
+                      _extent, _Storage)
 
 
 class _Frozen:
@@ -117,7 +117,7 @@ def _make_tensor(storage, storage_offset, size, stride, dtype=None, requires_gra
     t = LazyTensor(storage, offset, shape, strides, dtype, requires_grad)
     if t.numel:
         itemsize = _ST_DTYPES[dtype].itemsize
-        extent = 1 + sum((s - 1) * st for s, st in zip(shape, strides))
+        extent = _extent(shape, strides)
         if (offset + extent) * itemsize > storage.nbytes:
             raise CheckpointError(
                 f"a tensor of shape {list(shape)}, stride {list(strides)}, storage offset {offset} ({dtype}) "

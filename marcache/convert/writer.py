@@ -66,13 +66,8 @@ def _cast(tensor, out):
     """Materialises `tensor` as a C-contiguous little-endian array of safetensors dtype `out`."""
     arr = tensor.raw()
     src = tensor.dtype
-    if src == out:
-        pass
-    elif src == "BF16":
-        f32 = bf16_bits_to_f32(arr)
-        arr = f32 if out == "F32" else f32_to_bf16_bits(f32) if out == "BF16" else f32.astype(np.float16)
-    else:
-        f32 = arr.astype(np.float32)
+    if src != out:     # a float cast, always through float32 (exact from F16 and BF16)
+        f32 = bf16_bits_to_f32(arr) if src == "BF16" else arr.astype(np.float32)
         arr = f32 if out == "F32" else f32_to_bf16_bits(f32) if out == "BF16" else f32.astype(np.float16)
     want = _np_dtype(out, "little")
     if arr.dtype != want:
