@@ -125,8 +125,36 @@ def _sniff_kind(sd):
     return None
 
 
-def _wrong_kind(path, kind, sd):
+#: kind -> how messages name it.
+_KIND_NAMES = {"mar": "MAR", "vae-kl16": "KL-16 VAE", "var": "VAR", "vqvae": "VQVAE", "inception": "FID Inception"}
+_KEYS_SHOWN = 6
+
+
+def _wrong_kind(path, kind, sd, where=None):
+    """The error for a state dict `sd` (found at root[where], or the root itself) that
+    is not a `kind` checkpoint: it names the first keys found and, when the keys are
+    another kind's, that kind and the command to use, so a newcomer who passed the
+    wrong file or the wrong kind sees which one it was, and one with a part of the
+    asked kind's keys that it is incomplete."""
+    name = _KIND_NAMES[kind]
+    inside = f" under ['{where}']" if where else ""
+    keys = list(sd)
+    shown = ", ".join(map(str, keys[:_KEYS_SHOWN]))
+    if len(keys) > _KEYS_SHOWN:
+        found_keys = f"its {len(keys)} keys{inside} begin {shown}, ..."
+    elif keys:
+        found_keys = f"its keys{inside} are {shown}"
+    else:
+        found_keys = f"it holds no tensors{inside}"
     found = _sniff_kind(sd)
-    hint = f" It looks like a '{found}' checkpoint: use `convert {found}`." if found and found != kind else ""
-    some = ", ".join(list(sd)[:6])
-    return CheckpointError(f"{path}: not a {kind} checkpoint (keys begin {some}...).{hint}")
+    if found and found != kind:
+        hint = f" It looks like a '{found}' checkpoint: use `convert {found}`."
+    elif found is None and keys:
+        hint = (" The keys match none of the kinds marcache converts (" + ", ".join(_KIND_NAMES) +
+                "); check that this is an official checkpoint.")
+    elif keys:
+        hint = (f" It has keys that only a {name} checkpoint has, but not the ones its configuration is read "
+                "from: an incomplete or damaged file?")
+    else:
+        hint = ""
+    return CheckpointError(f"{path}: not a {name} checkpoint ({found_keys}).{hint}")

@@ -65,7 +65,7 @@ def plan_inception(ck):
     path = ck.path
     sd, where = _state_dict(ck.root, path, prefer=("state_dict", "model"))
     if "Conv2d_1a_3x3.conv.weight" not in sd and "Mixed_7c.branch_pool.conv.weight" not in sd:
-        raise _wrong_kind(path, "FID Inception", sd)
+        raise _wrong_kind(path, "inception", sd, where)
     expected = inception_expected_shapes()
     counters = [k for k in sd if k.endswith(".bn.num_batches_tracked") and k[: -len("num_batches_tracked")] +
                 "running_mean" in expected]

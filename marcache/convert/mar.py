@@ -97,7 +97,7 @@ def plan_mar(ck, weights="model_ema", heads=None):
               _dim(sd, h + "cond_embed.weight", 0), _dim(sd, h + "final_layer.linear.weight", 1))
     depth = _count(sd, "encoder_blocks.")
     if D is None or W is None or depth == 0:
-        raise _wrong_kind(path, "MAR", sd)
+        raise _wrong_kind(path, "mar", sd, where)
     Dd = _first(_vote(_dim(sd, "decoder_embed.weight", 0), _dim(sd, "decoder_norm.weight", 0),
                       _dim(sd, "mask_token", 2), _dim(sd, h + "cond_embed.weight", 1),
                       _dim(sd, "diffusion_pos_embed_learned", 2)), D)

@@ -2,7 +2,7 @@
 sections 8 and 9). LDM kl-f16 weights, which have up-path attention, are refused."""
 import collections
 
-from .checks import Plan, _check_float, _compare, _state_dict
+from .checks import Plan, _check_float, _compare, _sniff_kind, _state_dict, _wrong_kind
 from .decoder import _decoder_config, _dropped_summary, _split_decoder, decoder_expected_shapes
 from .tensors import CheckpointError
 
@@ -13,6 +13,8 @@ def plan_vae_kl16(ck):
     the released kl16.ckpt). Refuses LDM kl-f16 weights (up-path attention)."""
     path = ck.path
     sd, where = _state_dict(ck.root, path, prefer=("model", "state_dict"))
+    if _sniff_kind(sd) not in (None, "vae-kl16"):   # before the LDM check: a VQVAE also has up-path attention
+        raise _wrong_kind(path, "vae-kl16", sd, where)
     attn = [k for k in sd if k.startswith("decoder.up.") and ".attn." in k]
     if attn:
         raise CheckpointError(
@@ -23,7 +25,9 @@ def plan_vae_kl16(ck):
         raise CheckpointError(f"{path}: keys start with 'first_stage_model.': this is a whole latent-diffusion model, "
                               "not MAR's kl16.ckpt")
     keep, dropped = _split_decoder(sd)
-    ch, ch_mult, nrb, z = _decoder_config(path, keep, "KL-16 VAE")
+    if not keep:
+        raise _wrong_kind(path, "vae-kl16", sd, where)
+    ch, ch_mult, nrb, z = _decoder_config(path, keep, "vae-kl16")
     expected = decoder_expected_shapes(ch, ch_mult, nrb, z, post_quant_ks=1, fused_qkv=False, top_attention=False)
     official = (ch, ch_mult, nrb, z) == (128, (1, 1, 2, 2, 4), 2, 16)
     inside = f"['{where}']" if where else ""

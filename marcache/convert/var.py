@@ -41,7 +41,7 @@ def plan_var(ck):
     C = _first(_dim(sd, "pos_start", 2), _dim(sd, "word_embed.weight", 0), _dim(sd, "class_emb.weight", 1))
     depth = _count(sd, "blocks.")
     if C is None or depth == 0 or "word_embed.weight" not in sd:
-        raise _wrong_kind(path, "VAR", sd)
+        raise _wrong_kind(path, "var", sd, where)
     heads = _first(_dim(sd, "blocks.0.attn.scale_mul_1H11", 1), depth)
     cfg = dict(depth=depth, width=C, heads=heads, vocab=_first(_dim(sd, "head.weight", 0), 4096),
                tokens=_first(_dim(sd, "pos_1LC", 1), 680), vae_channels=_first(_dim(sd, "word_embed.weight", 1), 32),

@@ -13,9 +13,11 @@ def plan_vqvae(ck):
     path = ck.path
     sd, where = _state_dict(ck.root, path, prefer=("model", "state_dict"))
     if "quantize.embedding.weight" not in sd:
-        raise _wrong_kind(path, "VQVAE", sd)
+        raise _wrong_kind(path, "vqvae", sd, where)
     keep, dropped = _split_decoder(sd)
-    ch, ch_mult, nrb, z = _decoder_config(path, keep, "VQVAE")
+    if not keep:
+        raise _wrong_kind(path, "vqvae", sd, where)
+    ch, ch_mult, nrb, z = _decoder_config(path, keep, "vqvae")
     vocab = _dim(sd, "quantize.embedding.weight", 0)
     n_phi = _count(sd, "quantize.quant_resi.qresi_ls.")
     expected = decoder_expected_shapes(ch, ch_mult, nrb, z, post_quant_ks=3, fused_qkv=True, top_attention=True)
