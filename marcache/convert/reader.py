@@ -165,12 +165,7 @@ class Checkpoint(collections.abc.Mapping):
             raise CheckpointError(f"{self.path}: unexpected persistent id {pid!r} (expected ('storage', type, key, "
                                   "location, numel))")
         _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise CheckpointError(f"{self.path}: persistent id {pid!r} names no storage class")
-        key = _ascii(key)
-        _check_int(numel, "storage size")
-        itemsize = _ST_DTYPES[storage_type.dtype].itemsize
-        st = self._storages.get(key)
+        key, itemsize, st = self._storage_ref(pid, storage_type, key, numel, typed=False)
         if st is None:
             record = self._prefix + "data/" + key
             info = self._infos.get(record)
@@ -265,12 +260,7 @@ class Checkpoint(collections.abc.Mapping):
         if typename != "storage" or len(pid) != 6:
             raise CheckpointError(f"{self.path}: unexpected persistent id {pid!r}")
         _, storage_type, root_key, _location, numel, view = pid
-        if not isinstance(storage_type, _StorageType) or storage_type.name == "UntypedStorage":
-            raise CheckpointError(f"{self.path}: persistent id {pid!r} names no typed storage class")
-        root_key = _ascii(root_key)
-        _check_int(numel, "storage size")
-        itemsize = _ST_DTYPES[storage_type.dtype].itemsize
-        root = self._storages.get(root_key)
+        root_key, itemsize, root = self._storage_ref(pid, storage_type, root_key, numel, typed=True)
         if root is None:
             root = _Storage(self, root_key, storage_type.dtype, numel * itemsize, f"storage {root_key}")
             root.record_nbytes = numel * itemsize
@@ -291,6 +281,17 @@ class Checkpoint(collections.abc.Mapping):
         return st
 
     # ------------------------------------------------------------- shared
+    def _storage_ref(self, pid, storage_type, key, numel, typed):
+        """The part of a persistent id that both formats read the same way: checks the
+        storage class (`typed`: the legacy format has no untyped storages) and the
+        element count; returns (key, item size, the storage already made for key or None)."""
+        if not isinstance(storage_type, _StorageType) or (typed and storage_type.name == "UntypedStorage"):
+            what = "typed storage class" if typed else "storage class"
+            raise CheckpointError(f"{self.path}: persistent id {pid!r} names no {what}")
+        key = _ascii(key)
+        _check_int(numel, "storage size")
+        return key, _ST_DTYPES[storage_type.dtype].itemsize, self._storages.get(key)
+
     def _unpickle(self, fileobj, persistent_load, what):
         try:
             return RestrictedUnpickler(fileobj, self.path, persistent_load).load()
