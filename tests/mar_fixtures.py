@@ -118,3 +118,29 @@ def small_activations(W, scale=1e-2, fc1_gain=8.0):
             t = t * np.float32(fc1_gain)
         out[name] = t.astype(np.float32)
     return out
+
+
+def save_bf16(W, path, metadata=None):
+    """Writes W as a BF16 safetensors file (numpy has no bfloat16, so the safetensors
+    package cannot): each float32 rounded to nearest even in bf16 (reference.ops.
+    round_to_wtype), its top 16 bits stored. Returns the float32 values the file holds."""
+    import json
+    import struct
+
+    from reference import ops
+
+    header, chunks, offset, held = {}, [], 0, {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    for name, t in W.items():
+        rounded = ops.round_to_wtype(np.asarray(t, np.float32), "bf16")
+        held[name] = rounded
+        data = (rounded.view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(rounded.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+    return held
