@@ -91,7 +91,8 @@ class Comparison:
 
     def check(self):
         ref = self.pick(self.reference())
-        assert_close(self.pick(self.engine()), ref, self.rtol, self.allowance(ref), self.name)
+        assert_close(self.pick(self.engine()), ref, self.rtol, self.allowance(ref),
+                     "%s (atol: %s)" % (self.name, self.atol_why))
 
     def share(self):
         """worst_share of the engine against the reference as it is now (> 1 fails)."""

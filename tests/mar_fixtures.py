@@ -70,12 +70,16 @@ def amplified_tiny(tmp_dir, seed=1):
 
 def v_dominant(W, eps_gain=0.0, cond_gain=1.0):
     """W with the head's eps outputs (rows 0..C-1 of final_layer.linear) scaled by
-    eps_gain, so that the learned variance v decides the tokens. With random eps the
-    first DDPM step's x0 = 2.03e4 (x - eps) and everything after it swamps v: taking v
-    from the wrong row moved the tokens by ~3e-8 of their largest value. With eps
-    small, x0 ~ 2.03e4 x and the noise each step adds, scaled by exp(v-interpolated
-    log variance) and amplified by the later steps, is of the same order as the
-    tokens."""
+    eps_gain and its condition path (cond_embed, the final layer's adaLN) by cond_gain,
+    for tests in which the learned variance v decides the tokens.
+
+    Every token starts as x0 = 2.03e4 (x - eps) at the first DDPM step; with random eps
+    that, and the eps of every later step, swamps the noise whose scale v sets (taking v
+    from the wrong row moved the tokens by ~3e-8 of their largest value). With eps
+    zeroed the eps terms are gone, and at a high temperature (comparisons.V_TEMPERATURE
+    = 300) the noise, exp(v-interpolated log variance / 2) per step, is of the order of
+    the tokens; cond_gain makes v differ between the conditional and unconditional rows
+    so that guidance on v, or v from the wrong row, shows too."""
     out = dict(W)
     C = W["z_proj.weight"].shape[1]
     for name in (R.HEAD + "final_layer.linear.weight", R.HEAD + "final_layer.linear.bias"):

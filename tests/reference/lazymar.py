@@ -187,7 +187,8 @@ def _head_modulation(W, j, y_act):
 def _head_mlp(W, j, h, shift, scale):
     """The res block's MLP output (mlp.2 output, before the gate)."""
     r = HEAD + "res_blocks.%d." % j
-    u = ops.layernorm(h, _w(W, r + "in_ln.weight"), _w(W, r + "in_ln.bias"), R.ln_eps("head_in_ln"), shift=shift, scale=scale)
+    u = ops.layernorm(h, _w(W, r + "in_ln.weight"), _w(W, r + "in_ln.bias"), R.ln_eps("head_in_ln"),
+                      shift=shift, scale=scale)
     u = ops.linear(u, _w(W, r + "mlp.0.weight"), _w(W, r + "mlp.0.bias"), act=ops.ACT_SILU)
     return ops.linear(u, _w(W, r + "mlp.2.weight"), _w(W, r + "mlp.2.bias"))
 
