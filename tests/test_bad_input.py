@@ -1,9 +1,6 @@
 """Bad input gets a clear exception naming the problem, and the process and
 the model stay healthy afterwards."""
-import ctypes
 import functools
-import itertools
-import operator
 import os
 import signal
 import sys
@@ -16,6 +13,7 @@ from safetensors.numpy import save_file
 
 import marcache as mc
 from marcache import _C
+from interrupt import call_with_sigint_pending
 from mar_fixtures import write_tiny_mar
 
 
@@ -145,30 +143,6 @@ def test_model_healthy_after_errors(model):
     assert np.array_equal(out, again)
 
 
-def _libc_raise():
-    """libc raise() through ctypes: the signal is delivered to this thread before it returns
-    and only trips Python's flag; unlike signal.raise_signal or os.kill, ctypes does not then
-    run the Python handler itself, so the KeyboardInterrupt is left to the next check."""
-    libc_raise = getattr(ctypes.CDLL(None), "raise")
-    libc_raise.argtypes = [ctypes.c_int]
-    return libc_raise
-
-
-def _call_with_sigint_pending(fn, *args):
-    """Calls fn(*args) with SIGINT already pending when it starts, with no Python bytecode
-    in between (itertools.starmap + operator.call + ctypes are all C), so the interpreter
-    cannot handle the signal first: only fn's own signal check can raise. Returns True when
-    fn raised KeyboardInterrupt, False when it returned normally (the interrupt then comes
-    from the interpreter afterwards, after `marker` was appended to)."""
-    marker = []
-    try:
-        list(itertools.starmap(operator.call, [(_libc_raise(), signal.SIGINT), (fn, *args),
-                                               (marker.append, True)]))
-    except KeyboardInterrupt:
-        return not marker
-    raise AssertionError("SIGINT was raised but no KeyboardInterrupt came")
-
-
 @pytest.mark.parametrize("stop_step", [0, 2, 5])
 def test_ctrl_c_from_the_step_callback_stops_at_that_step(model, stop_step):
     """SIGINT raised in the step callback of step k ends generate with KeyboardInterrupt
@@ -197,7 +171,7 @@ def test_ctrl_c_pending_is_caught_by_the_loop_after_the_first_step(model):
     reference, _ = model._mar.generate(labels, steps=8, cfg=1.0, seed=5)
     steps_seen = []
     call = functools.partial(model._mar.generate, labels, steps=8, cfg=1.0, seed=5, callback=steps_seen.append)
-    assert _call_with_sigint_pending(call), "generate returned instead of raising KeyboardInterrupt"
+    assert call_with_sigint_pending(call), "generate returned instead of raising KeyboardInterrupt"
     assert [s["step"] for s in steps_seen] == [0]
     assert np.array_equal(model._mar.generate(labels, steps=8, cfg=1.0, seed=5)[0], reference)
 
