@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 import marcache as mc
 from reference import mar as R
-from tolerance import assert_close
+from tolerance import assert_close, worst_share
 
 
 def write_official(path, name, dtype, seed=0):
@@ -66,8 +66,11 @@ def test_full_size_transformer_and_head_match_reference(tmp_path, name, dtype, w
     sample against the float64 reference, element-wise.
     z: rtol 1e-4, atol 1e-5 (|z| reaches ~3.5; float32 sums of 768..5120 terms leave
     elements near zero with absolute errors of a few 1e-6; MAR-B measured 3.9e-6, worst
-    share 0.28 of the allowance). Head sample: rtol 1e-4, atol 1e-5 (the sample reaches
-    ~7e4 on random weights, the rtol term dominates; MAR-B measured worst share 0.11)."""
+    share 0.28 of the allowance). Head sample: rtol 1e-4, atol 1e-6 * max |reference
+    sample|: on random weights the first DDPM steps amplify the state to ~1e4-1e5, and
+    input_proj mixes the float32 rounding of the largest channels into every channel, so
+    the channels that end small carry an absolute error proportional to the largest
+    (MAR-L: 0.026 on an element of -157; 1e-6 of the scale is ~8 float32 ulps there)."""
     path = tmp_path / f"{name}.safetensors"
     W = write_official(path, name, dtype)
     model = mc.load(path)
@@ -87,7 +90,10 @@ def test_full_size_transformer_and_head_match_reference(tmp_path, name, dtype, w
     sample = model.head_sample(row, np.array([0], np.uint32), np.array([77], np.uint32), cfg=1.0,
                                temperature=1.0, seed=3)
     sample_ref = R.head_sample(W, row, [0], [77], 3, 1.0, 1.0)
-    assert_close(sample, sample_ref, rtol=1e-4, atol=1e-5, what=f"{name} head sample")
+    sample_atol = 1e-6 * float(np.abs(sample_ref).max())
+    print(f"{name}: z worst share {worst_share(z, z_ref, 1e-4, 1e-5):.3g}; head sample max "
+          f"{np.abs(sample_ref).max():.3g}, worst share {worst_share(sample, sample_ref, 1e-4, sample_atol):.3g}")
+    assert_close(sample, sample_ref, rtol=1e-4, atol=sample_atol, what=f"{name} head sample")
     del model, W
     path.unlink()
     gc.collect()
