@@ -3,10 +3,7 @@
 layout (mar.md section 8.3, Appendix B)."""
 import ctypes
 import os
-import signal
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,7 +12,9 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from interrupt import call_with_sigint_pending  # noqa: E402
 from reference import vae as ref_vae  # noqa: E402
+from tolerance import assert_close  # noqa: E402
 
 
 def _import_engine():
@@ -59,6 +58,13 @@ def small_weights(config="two_levels", seed=0):
     return ref_vae.random_vae_weights(np.random.default_rng(seed), **SMALL_CONFIGS[config])
 
 
+# Element-wise allowance against the float64 reference for every configuration: rtol 1e-4,
+# atol 1e-5. Outputs reach |x| ~2-4 after 10-30 float32 convolutions; elements near zero
+# carry a few 1e-6 of absolute rounding (measured worst shares: five_levels 0.30,
+# two_levels 0.11, single_block 0.10, official 0.46).
+RTOL, ATOL = 1e-4, 1e-5
+
+
 def tokens_for(rng, n, side, z):
     # Scaled-latent tokens: roughly unit-variance latents times 0.2325.
     return (ref_vae.LATENT_SCALE * rng.standard_normal((n, side * side, z))).astype(np.float32)
@@ -77,7 +83,7 @@ def test_small_config_matches_reference(tmp_path, config, side):
     want = ref_vae.decode(weights, tokens)
     up = 2 ** (len(cfg["ch_mult"]) - 1)
     assert got.shape == (2, side * up, side * up, 3) and got.dtype == np.float32
-    assert rel_err(got, want) < 1e-4
+    assert_close(got, want, RTOL, ATOL, what=f"{config} decode")
 
 
 def test_config_attributes(tmp_path):
@@ -99,7 +105,7 @@ def test_buffers_regrow_across_calls(tmp_path):
     rng = np.random.default_rng(2)
     small, large = tokens_for(rng, 1, 3, 5), tokens_for(rng, 1, 9, 5)
     first = vae.decode(small)
-    assert rel_err(vae.decode(large), ref_vae.decode(weights, large)) < 1e-4
+    assert_close(vae.decode(large), ref_vae.decode(weights, large), RTOL, ATOL, what="regrown decode")
     assert np.array_equal(vae.decode(small), first)
 
 
@@ -126,7 +132,7 @@ def test_float16_and_float64_files(tmp_path):
     for dtype in (np.float16, np.float64):
         cast = {k: v.astype(dtype) for k, v in weights.items()}
         got = C.VAE(write(tmp_path, cast, "w_%s.safetensors" % np.dtype(dtype).name)).decode(tokens)
-        assert rel_err(got, ref_vae.decode(cast, tokens)) < 1e-4
+        assert_close(got, ref_vae.decode(cast, tokens), RTOL, ATOL, what=f"{np.dtype(dtype).name} file decode")
 
 
 def test_float64_tokens_accepted(tmp_path):
@@ -186,29 +192,37 @@ def test_official_config_decodes_full_size(official_file):
     assert (vae.z_channels, vae.ch, vae.ch_mult, vae.num_res_blocks) == (16, 128, (1, 1, 2, 2, 4), 2)
     assert vae.num_params == ref_vae.OFFICIAL_PARAM_COUNT
     tokens = tokens_for(np.random.default_rng(10), 1, 16, 16)
-    start = time.perf_counter()
     images = vae.decode(tokens)
-    seconds = time.perf_counter() - start
     assert images.shape == (1, 256, 256, 3) and images.dtype == np.float32
     assert np.isfinite(images).all()
     assert images.std() > 0
-    assert seconds < 30, "one 256x256 decode took %.1f s" % seconds
+
+
+def test_official_config_matches_reference_on_a_4x4_latent(official_file):
+    """The official KL-16 configuration (ch=128, ch_mult (1, 1, 2, 2, 4), num_res_blocks=2,
+    mar.md section 8) decodes a 4x4 latent (a 64x64 image) as the float64 reference does:
+    the only test of two res blocks per level and of the full channel widths (RTOL, ATOL:
+    the engine's worst absolute error measured 5.8e-6 on outputs up to |x| ~3)."""
+    weights = safetensors_numpy.load_file(official_file)
+    vae = C.VAE(official_file)
+    tokens = tokens_for(np.random.default_rng(13), 1, 4, 16)
+    got = vae.decode(tokens)
+    want = ref_vae.decode(weights, tokens)
+    assert got.shape == want.shape == (1, 64, 64, 3)
+    assert_close(got, want, RTOL, ATOL, what="official KL-16 decode of a 4x4 latent")
 
 
 def test_ctrl_c_interrupts_decode(official_file):
-    """SIGINT during a decode surfaces as KeyboardInterrupt at the next stage
-    boundary, and the VAE stays usable afterwards."""
+    """SIGINT pending when decode starts is turned into KeyboardInterrupt by the decoder's
+    own check at a stage boundary (interrupt.call_with_sigint_pending: nothing else can
+    handle it first), and the VAE stays usable, with the same output, afterwards."""
     vae = C.VAE(official_file)
-    tokens = tokens_for(np.random.default_rng(11), 4, 16, 16)
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            vae.decode(tokens)
-    finally:
-        timer.cancel()
     small = tokens_for(np.random.default_rng(12), 1, 2, 16)
-    assert vae.decode(small).shape == (1, 32, 32, 3)
+    before = vae.decode(small)
+    tokens = tokens_for(np.random.default_rng(11), 4, 16, 16)
+    assert call_with_sigint_pending(vae.decode, tokens), "decode returned instead of raising KeyboardInterrupt"
+    assert call_with_sigint_pending(vae.decode_uint8, tokens), "decode_uint8 returned instead of raising"
+    assert np.array_equal(vae.decode(small), before)
 
 
 # ----- refusing the wrong files ------------------------------------------------------
