@@ -19,8 +19,15 @@
  * copied to C order first. Results are C-contiguous with the shape below.
  * Optional arguments may be None or left off the end of the tuple.
  * Unknown params keys, wrong types, ranks, shapes or dtypes raise ValueError
- * naming the op and the argument; an op the backend leaves NULL raises
- * NotImplementedError; a failure inside the op raises per mcpy_raise.
+ * naming the op and the argument; an op the backend does not implement
+ * (ops_list.h: CPU_ONLY, or the guard's MARCACHE_GUARD_UNSUPPORTED hook)
+ * raises NotImplementedError; a failure inside the op raises per mcpy_raise.
+ * Every op also takes the param threads=0: the CPU thread count of the cpu
+ * and guard backends for this call (0: all; ignored by cuda).
+ *
+ * The ops, their order and names come from csrc/backend/ops_list.h; each
+ * run_<op> below reads its inputs from one spec list (fetch_args) and ends
+ * in RETURN_OP (upload, run without the GIL, download).
  *
  * Conventions (inputs; params, "=" marks a default; result):
  *   gemm         (A, B, C=None); trans_a=False, trans_b=False, alpha=1, beta=0
@@ -51,8 +58,8 @@
  *                type: the 16-bit form of ops.h) -> out [B,nq,H*hd].
  *                k_s and v_s share one ld and batch stride in mc_kv_segment:
  *                if their strides differ both are copied to C order.
- *   groupnorm    (x [B,HW,C], w [C], b [C]); groups, eps, swish=False,
- *                inplace=False -> y [B,HW,C]
+ *   groupnorm    (x [B,HW,C], w [C]=None, b [C]=None (None: no affine));
+ *                groups, eps, swish=False, inplace=False -> y [B,HW,C]
  *   conv2d       (x [B,H,W,Cin], w [Cout,Cin,k,k] (PyTorch layout, k odd;
  *                repacked here to [Cout,k,k,Cin]), bias [Cout]=None,
  *                y [B,H,W,Cout]=None); beta=0, naive=False (the backend's
