@@ -4,7 +4,6 @@ float64 NumPy reference (tests/reference/ops.py), at odd sizes.
 The ops are reached through run_op (csrc/python/py_ops.c), which takes NHWC
 float32 arrays and PyTorch-layout conv weights (repacked in C); its common
 param `threads` sets the CPU backend's thread count."""
-import ctypes
 import os
 import sys
 
@@ -13,24 +12,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from marcache import _C as C  # noqa: E402
 from reference import ops as ref  # noqa: E402
-
-
-def _import_engine():
-    try:
-        import marcache._C as engine
-    except ImportError:
-        # In-place builds without the package __init__ cannot resolve the
-        # OpenBLAS rpath: preload the library, then retry.
-        import scipy_openblas32
-
-        lib = os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so")
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-        import marcache._C as engine
-    return engine
-
-
-C = _import_engine()
 
 
 def conv2d(x, wt, bias=None, y=None, beta=0.0, naive=False, threads=0):

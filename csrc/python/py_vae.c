@@ -6,20 +6,10 @@
 
 #include <math.h>
 #include <pythread.h>
-#include <stdio.h>
-#include <string.h>
 
-#include "../io/safetensors.h"
 #include "../models/vae.h"
 
 /* ------------------------------------------------------------ array helpers */
-
-static void format_shape(PyArrayObject *arr, char *buf, size_t len) {
-    int64_t dims[NPY_MAXDIMS];
-    for (int d = 0; d < PyArray_NDIM(arr); d++)
-        dims[d] = (int64_t)PyArray_DIM(arr, d);
-    mcpy_format_shape(buf, len, PyArray_NDIM(arr), dims);
-}
 
 /* Any real numeric array-like -> new reference to a C-contiguous float32
  * array. Complex, bool, object and string data are refused rather than
@@ -68,6 +58,10 @@ static void VAE_dealloc(VAEObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static mc_status load_vae(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
+    return mc_vae_load(backend, file, (mc_vae **)model, err);
+}
+
 static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", "num_threads", "device", NULL};
     const char *device = "cpu";
@@ -81,33 +75,19 @@ static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "num_threads must be >= 0 (0 = all OpenMP threads)");
         return -1;
     }
-    if (self->lock == NULL) {
-        self->lock = PyThread_allocate_lock();
-        if (self->lock == NULL) {
-            Py_DECREF(path_bytes);
-            PyErr_NoMemory();
-            return -1;
-        }
+    if (mcpy_ensure_lock(&self->lock) < 0) {
+        Py_DECREF(path_bytes);
+        return -1;
     }
     vae_release_model(self); /* __init__ called again on a live object */
 
-    const char *path = PyBytes_AS_STRING(path_bytes);
     mc_err err = {0};
-    mc_st_file *file = NULL;
     mc_backend *backend = NULL;
     mc_vae *vae = NULL;
     mc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = mc_st_open(path, &file, &err);
-    if (st == MC_OK)
-        st = mcpy_backend_open(device, num_threads, MC_WTYPE_F32, &backend, &err);
-    if (st == MC_OK)
-        st = mc_vae_load(backend, file, &vae, &err);
-    mc_st_close(file);
-    if (st != MC_OK) {
-        mc_backend_destroy(backend);
-        backend = NULL;
-    }
+    st = mcpy_load_model(PyBytes_AS_STRING(path_bytes), device, num_threads, MC_WTYPE_F32,
+                         load_vae, &vae, &backend, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_bytes);
     if (st != MC_OK) {
@@ -131,7 +111,7 @@ static PyArrayObject *vae_tokens_arg(VAEObject *self, PyObject *obj, int64_t *si
     if (tokens == NULL)
         return NULL;
     char shape[160];
-    format_shape(tokens, shape, sizeof shape);
+    mcpy_format_array_shape(shape, sizeof shape, tokens);
     long long z = (long long)self->info.z_channels;
     if (PyArray_NDIM(tokens) != 3) {
         PyErr_Format(PyExc_ValueError, "tokens must have shape [n, seq_len, %lld], got shape %s",
