@@ -1,4 +1,5 @@
-/* The backend seam: one table of primitive ops per backend. Models call only
+/* The backend seam: one table of primitive ops per backend (the ops and their
+ * contracts are listed once, in ops_list.h). Models call only
  * these (through be->ops), so a second backend (CUDA) plugs in by filling the
  * same table. All tensors are row-major float32 in the backend's memory;
  * "ld" arguments are row strides in elements, so ops can read column slices
@@ -125,9 +126,9 @@ struct mc_ops {
     mc_status (*copy)(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err);
 
     /* The compute ops, one member per entry of ops_list.h (their contracts
-     * are written there). A backend without an op holds
-     * mc_op_unsupported_fn(id) in its entry (mc_ops_fill_unsupported), which
-     * fails with an mc_err naming the op and the backend. */
+     * are written there). A backend without an op holds a stand-in in its
+     * entry (mc_ops_fill_unsupported) that fails with an mc_err naming the
+     * op and the backend, never NULL. */
 #define MC_OP(name, where, params, args, flops) mc_status(*name) params;
 #include "ops_list.h"
 
