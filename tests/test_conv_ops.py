@@ -1,9 +1,9 @@
 """CPU conv-side ops (groupnorm, conv2d, upsample_nearest2x) against the
 float64 NumPy reference (tests/reference/ops.py), at odd sizes.
 
-The ops are reached through test hooks in csrc/python/py_vae.c that take
-NHWC float32 arrays and PyTorch-layout conv weights (repacked in C)."""
-import ctypes
+The ops are reached through run_op (csrc/python/py_ops.c), which takes NHWC
+float32 arrays and PyTorch-layout conv weights (repacked in C); its common
+param `threads` sets the CPU backend's thread count."""
 import os
 import sys
 
@@ -12,24 +12,26 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from marcache import _C as C  # noqa: E402
 from reference import ops as ref  # noqa: E402
 
 
-def _import_engine():
-    try:
-        import marcache._C as engine
-    except ImportError:
-        # In-place builds without the package __init__ cannot resolve the
-        # OpenBLAS rpath: preload the library, then retry.
-        import scipy_openblas32
-
-        lib = os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so")
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-        import marcache._C as engine
-    return engine
+def conv2d(x, wt, bias=None, y=None, beta=0.0, naive=False, threads=0):
+    """beta * y + conv(x) on the CPU backend. With y None and beta 0 the output
+    buffer is filled with NaN first: beta = 0 must never read it."""
+    if y is None and beta == 0.0:
+        y = np.full(x.shape[:3] + (wt.shape[0],), np.nan, np.float32)
+    return C.run_op("cpu", "conv2d", (x, wt, bias, y),
+                    {"beta": beta, "naive": naive, "threads": threads})
 
 
-C = _import_engine()
+def groupnorm(x, groups, wt=None, b=None, eps=1e-6, swish=False, threads=0):
+    """GroupNorm of x [B, ..., C] (the op's [B, HW, C] view of it) on the CPU
+    backend; weight and bias None: no affine."""
+    flat = np.ascontiguousarray(x).reshape(x.shape[0], -1, x.shape[-1])
+    got = C.run_op("cpu", "groupnorm", (flat, wt, b),
+                   {"groups": groups, "eps": eps, "swish": swish, "threads": threads})
+    return got.reshape(x.shape)
 
 
 def rel_err(got, want):
@@ -67,7 +69,7 @@ def test_conv2d_matches_reference(shape, with_bias, beta):
     y = rng.standard_normal((n, h, w, cout)).astype(np.float32) if beta else None
     want = ref.conv2d(x, wt, bias, beta=beta, y=y)
     for naive in (False, True):
-        got = C._op_conv2d(x, wt, bias, y, beta, naive)
+        got = conv2d(x, wt, bias, y, beta, naive)
         assert got.shape == (n, h, w, cout) and got.dtype == np.float32
         assert np.isfinite(got).all()  # beta = 0 must not read the NaN-filled y
         assert rel_err(got, want) < 1e-5, (naive, rel_err(got, want))
@@ -86,14 +88,14 @@ def test_conv2d_chunking(shape, num_threads):
     wt = (rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)).astype(np.float32)
     bias = rng.standard_normal(cout).astype(np.float32)
     y = rng.standard_normal((n, h, w, cout)).astype(np.float32)
-    got = C._op_conv2d(x, wt, bias, y, 1.0, num_threads=num_threads)
+    got = conv2d(x, wt, bias, y, 1.0, threads=num_threads)
     assert rel_err(got, ref.conv2d(x, wt, bias, beta=1.0, y=y)) < 1e-5
 
 
 def test_conv2d_rejects_even_kernel():
     x = np.zeros((1, 3, 3, 2), np.float32)
     with pytest.raises(ValueError):
-        C._op_conv2d(x, np.zeros((4, 2, 2, 2), np.float32))
+        conv2d(x, np.zeros((4, 2, 2, 2), np.float32))
 
 
 # ----- groupnorm ---------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_groupnorm_matches_reference(shape, swish, affine):
     x = (rng.standard_normal((n, h, w, c)) * 2 + 0.5).astype(np.float32)
     wt = (1 + 0.1 * rng.standard_normal(c)).astype(np.float32) if affine else None
     b = (0.1 * rng.standard_normal(c)).astype(np.float32) if affine else None
-    got = C._op_groupnorm(x, groups, wt, b, 1e-6, swish)
+    got = groupnorm(x, groups, wt, b, 1e-6, swish)
     want = ref.groupnorm(x, groups, np.ones(c) if wt is None else wt,
                          np.zeros(c) if b is None else b, 1e-6, swish=swish)
     assert got.shape == x.shape and got.dtype == np.float32
@@ -129,7 +131,7 @@ def test_groupnorm_large_mean_is_stable():
     """Two-pass statistics: a mean 1e3 times the spread costs no accuracy."""
     rng = np.random.default_rng(4)
     x = (1000 + rng.standard_normal((1, 40, 40, 64))).astype(np.float32)
-    got = C._op_groupnorm(x, 32, None, None, 1e-6, False)
+    got = groupnorm(x, 32, None, None, 1e-6, False)
     want = ref.groupnorm(x, 32, np.ones(64), np.zeros(64), 1e-6)
     # float32 inputs near 1000 carry ~6e-5 absolute error per element already;
     # the normalised output inherits it (x 1 / std = 1), nothing more.
@@ -139,16 +141,16 @@ def test_groupnorm_large_mean_is_stable():
 def test_groupnorm_thread_count_invariant():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 70, 33, 64)).astype(np.float32)
-    one = C._op_groupnorm(x, 32, None, None, 1e-6, True, num_threads=1)
-    two = C._op_groupnorm(x, 32, None, None, 1e-6, True, num_threads=2)
+    one = groupnorm(x, 32, None, None, 1e-6, True, threads=1)
+    two = groupnorm(x, 32, None, None, 1e-6, True, threads=2)
     assert np.array_equal(one, two)
 
 
 def test_groupnorm_in_hw_layout():
-    """[B, HW, C] works as well as [B, H, W, C] (only B and C matter)."""
+    """The op's own [B, HW, C] layout, given directly (only B and C matter)."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, 15, 33)).astype(np.float32)
-    got = C._op_groupnorm(x, 3)
+    got = C.run_op("cpu", "groupnorm", (x,), {"groups": 3, "eps": 1e-6})
     assert rel_err(got, ref.groupnorm(x, 3, np.ones(33), np.zeros(33))) < 1e-5
 
 
@@ -158,6 +160,6 @@ def test_groupnorm_in_hw_layout():
                          ids=lambda s: "x".join(map(str, s)))
 def test_upsample_nearest2x(shape):
     x = np.random.default_rng(8).standard_normal(shape).astype(np.float32)
-    got = C._op_upsample_nearest2x(x)
+    got = C.run_op("cpu", "upsample_nearest2x", (x,), {})
     assert got.shape == (shape[0], 2 * shape[1], 2 * shape[2], shape[3])
     assert np.array_equal(got, ref.upsample_nearest2x(x).astype(np.float32))

@@ -1,4 +1,5 @@
-/* The backend seam: one table of primitive ops per backend. Models call only
+/* The backend seam: one table of primitive ops per backend (the ops and their
+ * contracts are listed once, in ops_list.h). Models call only
  * these (through be->ops), so a second backend (CUDA) plugs in by filling the
  * same table. All tensors are row-major float32 in the backend's memory;
  * "ld" arguments are row strides in elements, so ops can read column slices
@@ -57,6 +58,14 @@ typedef struct mc_kv_segment {
     int64_t batch_stride;
 } mc_kv_segment;
 
+/* Keys of all segments together (the attention's key count). */
+static inline int64_t mc_kv_segment_rows(const mc_kv_segment *segs, int nsegs) {
+    int64_t rows = 0;
+    for (int i = 0; i < nsegs; i++)
+        rows += segs[i].rows;
+    return rows;
+}
+
 /* Per-diffusion-step coefficients of the DDPM ancestral update (mar.md 6.4),
  * rounded from the float64 tables to float32 at use, as the reference does. */
 typedef struct mc_ddpm_coefs {
@@ -95,6 +104,16 @@ static inline int64_t mc_window_out_w(const mc_window2d *g) {
 /* Element type of image input to resize_bilinear_tf1. */
 typedef enum mc_pixel_type { MC_PIXEL_F32 = 0, MC_PIXEL_U8 = 1 } mc_pixel_type;
 
+/* Op ids in the order of ops_list.h: MC_OP_ID_gemm, MC_OP_ID_linear, ... */
+typedef enum mc_op_id {
+#define MC_OP(name, where, params, args, flops) MC_OP_ID_##name,
+#include "ops_list.h"
+    MC_OP_COUNT
+} mc_op_id;
+
+/* "gemm", "linear", ... indexed by mc_op_id. */
+extern const char *const mc_op_names[MC_OP_COUNT];
+
 struct mc_ops {
     const char *name;
     void (*destroy)(mc_backend *be);
@@ -106,158 +125,12 @@ struct mc_ops {
     mc_status (*download)(mc_backend *be, void *host_dst, const void *src, size_t bytes, mc_err *err);
     mc_status (*copy)(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err);
 
-    /* C[m,n] = alpha * op(A) op(B) + beta * C; op(X) = X or X^T. */
-    mc_status (*gemm)(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
-                      float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
-                      float beta, float *c, int64_t ldc, mc_err *err);
-
-    /* y = beta * y + act(x W^T + bias). x [rows, in], W [out, in] contiguous
-     * (nn.Linear layout) with elements of be->linear_wtype, bias [out] or
-     * NULL. beta is 0 or 1; with beta = 1 act must be NONE (residual
-     * accumulation). */
-    mc_status (*linear)(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                        const void *w, const float *bias, int64_t out, mc_act act, float beta,
-                        float *y, int64_t ldy, mc_err *err);
-
-    /* y = LN(x) over dim with biased variance and eps; then * w + b when w
-     * (and b) are non-NULL; then * (1 + scale[r]) + shift[r] when shift and
-     * scale (always both) are non-NULL (adaLN, rows of length dim with stride
-     * ld_mod). Statistics in double. y may be x. */
-    mc_status (*layernorm)(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
-                           const float *w, const float *b, float eps, const float *shift,
-                           const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err);
-
-    /* In place: x = act(x). */
-    mc_status (*activation)(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
-                            int64_t dim, mc_err *err);
-
-    /* y[r, :] += v[r % period, :]  (positional embeddings, per-step vectors). */
-    mc_status (*add_rows)(mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim,
-                          const float *v, int64_t ldv, int64_t period, mc_err *err);
-
-    /* y += gate * u, elementwise over [rows, dim] (adaLN gated residual). */
-    mc_status (*gated_add)(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
-                           const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err);
-
-    /* dst[i, :] = src[idx[i], :] for i < rows (idx in backend memory). */
-    mc_status (*gather_rows)(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
-                             int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
-    /* dst[idx[i], :] = src[i, :]. */
-    mc_status (*scatter_rows)(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
-                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
-
-    /* Multi-head attention, no mask: for each batch item b and head h,
-     * out_bh = softmax(scale * q_bh k_bh^T) v_bh with keys/values the
-     * concatenation of the segments. q row i of item b, head h is at
-     * q + b * q_bstride + i * ldq + h * head_dim; out likewise.
-     * With a 16-bit linear_wtype and mc_attention_is_16bit (head_dim a
-     * multiple of 16 up to 128) it runs as autocast's fused attention does:
-     * q, k and v are rounded to the 16-bit type, scores, softmax and sums
-     * are float32, and the probabilities are rounded to the 16-bit type
-     * before they weight v. */
-    mc_status (*attention)(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
-                           float scale, const float *q, int64_t ldq, int64_t q_bstride,
-                           const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
-                           int64_t o_bstride, mc_err *err);
-
-    /* GroupNorm over NHWC [batch, hw, channels] (statistics per image and
-     * group over hw x channels/groups, biased variance), affine, optional
-     * swish afterwards. y may be x. */
-    mc_status (*groupnorm)(mc_backend *be, const float *x, int64_t batch, int64_t hw,
-                           int64_t channels, int groups, const float *w, const float *b, float eps,
-                           int swish, float *y, mc_err *err);
-
-    /* 2-D convolution, stride 1, zero padding ksize / 2, NHWC in and out.
-     * w is packed [cout, ksize, ksize, cin] (the loader repacks PyTorch's
-     * [cout, cin, kh, kw]); bias [cout] or NULL. y = beta * y + conv(x). */
-    mc_status (*conv2d)(mc_backend *be, const float *x, int64_t batch, int64_t height,
-                        int64_t width, int64_t cin, const float *w, const float *bias,
-                        int64_t cout, int ksize, float beta, float *y, mc_err *err);
-
-    /* Nearest-neighbour x2 upsampling, NHWC [batch, h, w, c] -> [batch, 2h, 2w, c]. */
-    mc_status (*upsample_nearest2x)(mc_backend *be, const float *x, int64_t batch, int64_t height,
-                                    int64_t width, int64_t channels, float *y, mc_err *err);
-
-    /* Classifier-free guidance on eps: out = u + scale * (c - u) for the
-     * first `channels` columns of each row. */
-    mc_status (*cfg_combine)(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,
-                             int64_t ldu, int64_t rows, int channels, float scale, float *out,
-                             int64_t ldo, mc_err *err);
-
-    /* One DDPM ancestral step with LEARNED_RANGE variance, in place on
-     * x [rows, channels]: eps and v are the first and second `channels`
-     * columns of model output rows (stride ld_out); noise [rows, channels]
-     * may be NULL when coefs->noise_scale == 0. */
-    mc_status (*ddpm_step)(mc_backend *be, float *x, int64_t rows, int channels, const float *eps,
-                           int64_t ld_eps, const float *v, int64_t ld_v, const float *noise,
-                           const mc_ddpm_coefs *coefs, mc_err *err);
-
-    /* Philox normals for rows of tokens (see core/philox.h): row i gets the
-     * `channels` normals of (seed, image[i], stream, position[i], step). */
-    mc_status (*token_normals)(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
-                               const uint32_t *image, const uint32_t *position, int64_t rows,
-                               int channels, float *out, mc_err *err);
-
-    /* y = a * x + b * y over [rows, cols] (strided). With b == 0, y is only
-     * written (copies, scaled copies); cache policies use it for deltas. */
-    mc_status (*axpby)(mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y,
-                       int64_t ldy, int64_t rows, int64_t cols, mc_err *err);
-
-    /* out[r] = mean over heads h of cos(a_rh, b_rh), where a_rh is the h-th
-     * head_dim slice of row r; cos = a.b / max(|a| |b|, 1e-8) (PyTorch's
-     * cosine_similarity). LazyMAR ranks tokens by it. */
-    mc_status (*cosine_rows)(mc_backend *be, const float *a, int64_t lda, const float *b,
-                             int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
-                             mc_err *err);
-
-    /* Attention mass: for each batch item b, out[b, j] = sum over heads h
-     * and the nq query rows i of softmax_j(scale * q_bhi . k_bhj), over the
-     * `keys` key rows (layouts as in attention). MARche picks the rows that
-     * the tokens being generated attend to most. */
-    mc_status (*attention_mass)(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
-                                float scale, const float *q, int64_t ldq, int64_t q_bstride,
-                                const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
-                                float *out, mc_err *err);
-    /* ---- FID-Inception ops (appended; eval_and_formats.md 3-4) ---- */
-
-    /* General 2-D convolution over NHWC with the geometry of `g` (any
-     * kh x kw, strides, zero padding): y = relu?(beta * y + conv(x) + bias).
-     * x has cin channels at pixel stride ldx; y has cout channels at pixel
-     * stride ldy and size mc_window_out_h/w(g). w is packed
-     * [cout, kh, kw, cin] (mc_bind's MC_BIND_CONV_OHWI); bias [cout] or NULL;
-     * relu non-zero clamps the final sum at 0. beta == 0 never reads y. */
-    mc_status (*conv2d_ex)(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
-                           int64_t ldx, const float *w, const float *bias, int64_t cout,
-                           float beta, int relu, float *y, int64_t ldy, mc_err *err);
-
-    /* Average pooling over NHWC windows of `g` (pad_h <= kh / 2 and
-     * pad_w <= kw / 2, as PyTorch requires). The divisor is the number of
-     * window taps inside the image when count_include_pad == 0 (TF's
-     * average pool, FID-Inception), else kh * kw. Sums in float, one
-     * division per output. With kh = height, kw = width, no padding it is
-     * the global average pool. */
-    mc_status (*avg_pool2d)(mc_backend *be, const mc_window2d *g, const float *x,
-                            int64_t channels, int64_t ldx, int count_include_pad, float *y,
-                            int64_t ldy, mc_err *err);
-
-    /* Max pooling over NHWC windows of `g` (same padding rule); padded taps
-     * never win (PyTorch's -inf padding). NaN propagates. */
-    mc_status (*max_pool2d)(mc_backend *be, const mc_window2d *g, const float *x,
-                            int64_t channels, int64_t ldx, float *y, int64_t ldy, mc_err *err);
-
-    /* TF1 bilinear resize, align_corners = False, half_pixel_centers =
-     * False (torch-fidelity's 'slow' method; eval_and_formats.md 4): x is
-     * contiguous NHWC [batch, in_h, in_w, channels] of float32 or uint8
-     * (converted to float32 first); y [batch, out_h, out_w, channels] float32.
-     * Per axis scale = float32(in / out), src = float32(o) * scale in
-     * float32, lo = floor(src), hi = min(lo + 1, in - 1), d = src - lo;
-     * top = a + (b - a) * dx on rows lo_y and hi_y, y = top + (bottom - top)
-     * * dy, every step rounded to float32 (no fused multiply-add). With
-     * normalize, y = (y - 128) / 128 afterwards (the Inception input scale). */
-    mc_status (*resize_bilinear_tf1)(mc_backend *be, const void *x, mc_pixel_type type,
-                                     int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
-                                     int64_t out_h, int64_t out_w, int normalize, float *y,
-                                     mc_err *err);
+    /* The compute ops, one member per entry of ops_list.h (their contracts
+     * are written there). A backend without an op holds a stand-in in its
+     * entry (mc_ops_fill_unsupported) that fails with an mc_err naming the
+     * op and the backend, never NULL. */
+#define MC_OP(name, where, params, args, flops) mc_status(*name) params;
+#include "ops_list.h"
 
     /* ---- graphs (optional: NULL where a backend has none) ----
      * capture_begin starts recording: the ops called until capture_end are
@@ -291,6 +164,12 @@ struct mc_backend {
      * and only enqueued on CUDA). Counted the same way on every backend, so
      * the CPU tests show where an AR step would stall a GPU. */
     int64_t syncs;
+    /* FLOPs of the ops dispatched so far, per the `flops` column of
+     * ops_list.h (GEMMs and attention matmuls, the convention of
+     * marcache/flops.py). Counted by the guard backend, which wraps every
+     * op anyway; 0 on the others. A discarded graph recording takes its
+     * ops' FLOPs back, as it takes back their effects. */
+    int64_t dispatched_flops;
     void *impl;  /* backend-private state: scratch pools, handles, streams */
 };
 
@@ -309,6 +188,18 @@ static inline const void *mc_linear_w_rows(const mc_backend *be, const void *w, 
                                            int64_t in) {
     return (const char *)w + (size_t)(row * in) * mc_wtype_size(be->linear_wtype);
 }
+
+/* An op a backend does not implement (an op that landed on the CPU first,
+ * ops_list.h's CPU_ONLY) holds a generated function in its table entry:
+ * calling it fails with MC_ERR_INTERNAL "op 'name' is not supported on
+ * backend 'backend'". mc_ops_fill_unsupported puts it into every NULL op
+ * entry of a table being built; mc_op_supported tells whether an entry is a
+ * real one. */
+typedef void (*mc_op_fn)(void);
+void mc_ops_fill_unsupported(mc_ops *ops);
+int mc_op_supported(const mc_ops *ops, mc_op_id id);
+/* The table entry of op `id` as a generic function pointer (NULL if empty). */
+mc_op_fn mc_op_entry(const mc_ops *ops, mc_op_id id);
 
 /* Backend factories. The CPU backend always exists. */
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err);

@@ -68,3 +68,28 @@ mc_status mcpy_backend_open(const char *device, int threads, mc_wtype wtype, mc_
         (*out)->linear_wtype = wtype;
     return st;
 }
+
+mc_status mcpy_load_model(const char *path, const char *device, int threads, mc_wtype wtype,
+                          mcpy_model_loader load, void *model, mc_backend **backend, mc_err *err) {
+    mc_st_file *file = NULL;
+    *backend = NULL;
+    mc_status st = mc_st_open(path, &file, err);
+    if (st == MC_OK)
+        st = mcpy_backend_open(device, threads, wtype, backend, err);
+    if (st == MC_OK)
+        st = load(*backend, file, model, err);
+    mc_st_close(file);
+    if (st != MC_OK) {
+        mc_backend_destroy(*backend);
+        *backend = NULL;
+    }
+    return st;
+}
+
+int mcpy_ensure_lock(PyThread_type_lock *lock) {
+    if (*lock == NULL && (*lock = PyThread_allocate_lock()) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}

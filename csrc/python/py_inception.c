@@ -11,10 +11,7 @@
 #include "py_backend.h"
 
 #include <pythread.h>
-#include <stdio.h>
-#include <stdlib.h>
 
-#include "../io/safetensors.h"
 #include "../models/inception.h"
 
 typedef struct {
@@ -39,6 +36,18 @@ static void Inception_dealloc(InceptionObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* What mcpy_load_model's loader gets for the network: the chunk size, and
+ * where the network goes. */
+typedef struct loading {
+    int64_t chunk;
+    mc_inception *net;
+} loading;
+
+static mc_status load_inception(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
+    loading *request = model;
+    return mc_inception_load(backend, file, request->chunk, &request->net, err);
+}
+
 static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", "num_threads", "chunk", "device", NULL};
     const char *device = "cpu";
@@ -56,39 +65,26 @@ static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds)
                      num_threads, chunk);
         return -1;
     }
-    if (self->lock == NULL) {
-        self->lock = PyThread_allocate_lock();
-        if (self->lock == NULL) {
-            Py_DECREF(path_bytes);
-            PyErr_NoMemory();
-            return -1;
-        }
+    if (mcpy_ensure_lock(&self->lock) < 0) {
+        Py_DECREF(path_bytes);
+        return -1;
     }
     inception_release(self);
 
-    const char *path = PyBytes_AS_STRING(path_bytes);
     mc_err err = {0};
-    mc_st_file *file = NULL;
     mc_backend *backend = NULL;
-    mc_inception *net = NULL;
+    loading request = {(int64_t)chunk, NULL};
     mc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = mc_st_open(path, &file, &err);
-    if (st == MC_OK)
-        st = mcpy_backend_open(device, num_threads, MC_WTYPE_F32, &backend, &err);
-    if (st == MC_OK)
-        st = mc_inception_load(backend, file, (int64_t)chunk, &net, &err);
-    mc_st_close(file);
-    if (st != MC_OK) {
-        mc_backend_destroy(backend);
-        backend = NULL;
-    }
+    st = mcpy_load_model(PyBytes_AS_STRING(path_bytes), device, num_threads, MC_WTYPE_F32,
+                         load_inception, &request, &backend, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_bytes);
     if (st != MC_OK) {
         mcpy_raise(&err);
         return -1;
     }
+    mc_inception *net = request.net;
     self->backend = backend;
     self->net = net;
     mc_inception_get_info(net, &self->info);
@@ -113,12 +109,7 @@ static PyObject *Inception_features(InceptionObject *self, PyObject *obj) {
         PyArray_DIM(images, 2) < 1 || PyArray_DIM(images, 1) > MC_INCEPTION_MAX_SIDE ||
         PyArray_DIM(images, 2) > MC_INCEPTION_MAX_SIDE) {
         char shape[160];
-        size_t used = (size_t)snprintf(shape, sizeof shape, "(");
-        for (int d = 0; d < PyArray_NDIM(images) && used < sizeof shape; d++)
-            used += (size_t)snprintf(shape + used, sizeof shape - used, d ? ", %lld" : "%lld",
-                                     (long long)PyArray_DIM(images, d));
-        if (used < sizeof shape)
-            snprintf(shape + used, sizeof shape - used, ")");
+        mcpy_format_array_shape(shape, sizeof shape, images);
         PyErr_Format(PyExc_ValueError,
                      "images must have shape [n, height, width, 3] with sides in 1..%d, got %s",
                      MC_INCEPTION_MAX_SIDE, shape);

@@ -541,6 +541,11 @@ static PyObject *mar_get_syncs(PyMAR *self, void *closure) {
     return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
 }
 
+static PyObject *mar_get_flops(PyMAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->dispatched_flops : 0);
+}
+
 static PyObject *mar_get_timesteps(PyMAR *self, void *closure) {
     (void)closure;
     PyObject *list = PyList_New(self->diffusion.n_steps);
@@ -570,6 +575,9 @@ static PyGetSetDef mar_getset[] = {
     {"backend_syncs", (getter)mar_get_syncs, NULL,
      "host waits for the backend so far: downloads and uploads over 1 MiB (counted alike on every backend)",
      NULL},
+    {"backend_flops", (getter)mar_get_flops, NULL,
+     "FLOPs of the GEMM and attention ops dispatched so far (ops_list.h's convention, that of "
+     "marcache.flops); counted on the guard backend only, 0 elsewhere", NULL},
     {"timesteps", (getter)mar_get_timesteps, NULL, "original diffusion timesteps tau_j seen by the head", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

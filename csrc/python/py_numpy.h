@@ -8,4 +8,12 @@
 #define NO_IMPORT_ARRAY
 #endif
 #include <numpy/arrayobject.h>
+
+/* mcpy_format_shape of an array's shape. */
+static inline void mcpy_format_array_shape(char *buf, size_t size, PyArrayObject *arr) {
+    int64_t dims[NPY_MAXDIMS];
+    for (int d = 0; d < PyArray_NDIM(arr); d++)
+        dims[d] = (int64_t)PyArray_DIM(arr, d);
+    mcpy_format_shape(buf, size, PyArray_NDIM(arr), dims);
+}
 #endif

@@ -19,8 +19,15 @@
  * copied to C order first. Results are C-contiguous with the shape below.
  * Optional arguments may be None or left off the end of the tuple.
  * Unknown params keys, wrong types, ranks, shapes or dtypes raise ValueError
- * naming the op and the argument; an op the backend leaves NULL raises
- * NotImplementedError; a failure inside the op raises per mcpy_raise.
+ * naming the op and the argument; an op the backend does not implement
+ * (ops_list.h: CPU_ONLY, or the guard's MARCACHE_GUARD_UNSUPPORTED hook)
+ * raises NotImplementedError; a failure inside the op raises per mcpy_raise.
+ * Every op also takes the param threads=0: the CPU thread count of the cpu
+ * and guard backends for this call (0: all; ignored by cuda).
+ *
+ * The ops, their order and names come from csrc/backend/ops_list.h; each
+ * run_<op> below reads its inputs from one spec list (fetch_args) and ends
+ * in RETURN_OP (upload, run without the GIL, download).
  *
  * Conventions (inputs; params, "=" marks a default; result):
  *   gemm         (A, B, C=None); trans_a=False, trans_b=False, alpha=1, beta=0
@@ -51,8 +58,8 @@
  *                type: the 16-bit form of ops.h) -> out [B,nq,H*hd].
  *                k_s and v_s share one ld and batch stride in mc_kv_segment:
  *                if their strides differ both are copied to C order.
- *   groupnorm    (x [B,HW,C], w [C], b [C]); groups, eps, swish=False,
- *                inplace=False -> y [B,HW,C]
+ *   groupnorm    (x [B,HW,C], w [C]=None, b [C]=None (None: no affine));
+ *                groups, eps, swish=False, inplace=False -> y [B,HW,C]
  *   conv2d       (x [B,H,W,Cin], w [Cout,Cin,k,k] (PyTorch layout, k odd;
  *                repacked here to [Cout,k,k,Cin]), bias [Cout]=None,
  *                y [B,H,W,Cout]=None); beta=0, naive=False (the backend's
@@ -105,7 +112,7 @@
  * usable (so GPU tests skip on a machine without one), and run_op on it
  * then fails with the factory's RuntimeError. */
 
-typedef mc_status (*backend_factory)(mc_backend **out, mc_err *err);
+typedef mc_status (*backend_factory)(mc_backend **out, int threads, mc_err *err);
 
 typedef struct backend_entry {
     const char *name;
@@ -113,16 +120,11 @@ typedef struct backend_entry {
     int (*usable)(void); /* NULL: always */
 } backend_entry;
 
-static mc_status create_cpu_backend(mc_backend **out, mc_err *err) {
-    return mc_backend_cpu_create(out, 0, err);
-}
-
-static mc_status create_guard_backend(mc_backend **out, mc_err *err) {
-    return mc_backend_guard_create(out, 0, err);
-}
 
 #ifdef MC_HAVE_CUDA
-static mc_status create_cuda_backend(mc_backend **out, mc_err *err) {
+/* Device 0; the CUDA backend has no CPU threads to set. */
+static mc_status create_cuda_backend(mc_backend **out, int threads, mc_err *err) {
+    (void)threads;
     return mc_backend_cuda_create(out, 0, err);
 }
 
@@ -130,8 +132,8 @@ static int cuda_usable(void) { return mc_cuda_device_count() > 0; }
 #endif
 
 static const backend_entry backend_table[] = {
-    {"cpu", create_cpu_backend, NULL},
-    {"guard", create_guard_backend, NULL},
+    {"cpu", mc_backend_cpu_create, NULL},
+    {"guard", mc_backend_guard_create, NULL},
 #ifdef MC_HAVE_CUDA
     {"cuda", create_cuda_backend, cuda_usable},
 #endif
@@ -189,16 +191,6 @@ static const char *dtype_name(int typenum) {
 
 static int64_t operand_ld(const operand *o) { return o->stride[o->ndim - 2]; }
 static int64_t operand_batch_stride(const operand *o) { return o->stride[o->ndim - 3]; }
-
-static void format_shape(char *buf, size_t size, int ndim, const npy_intp *dims) {
-    size_t used = 0;
-    used += (size_t)snprintf(buf, size, "(");
-    for (int i = 0; i < ndim && used < size; i++)
-        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "",
-                                 (long long)dims[i]);
-    if (used < size)
-        snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
-}
 
 /* Layout in elements of `arr`, or 0 when it cannot be passed without a copy
  * (strided_ok: last axis contiguous, other strides non-negative, each axis
@@ -305,7 +297,10 @@ static int fetch_array(op_call *call, Py_ssize_t index, const char *arg, int typ
     }
     if (PyArray_NDIM(arr) != ndim) {
         char got[128];
-        format_shape(got, sizeof got, PyArray_NDIM(arr), PyArray_DIMS(arr));
+        int64_t dims[NPY_MAXDIMS];
+        for (int i = 0; i < PyArray_NDIM(arr); i++)
+            dims[i] = (int64_t)PyArray_DIM(arr, i);
+        mcpy_format_shape(got, sizeof got, PyArray_NDIM(arr), dims);
         PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected %d dimensions, got shape %s",
                      call->op_name, arg, ndim, got);
         return -1;
@@ -378,10 +373,7 @@ static int check_shape(op_call *call, const operand *o, const dim_rule *rules) {
     }
     if (used < sizeof expected)
         snprintf(expected + used, sizeof expected - used, o->ndim == 1 ? ",)" : ")");
-    npy_intp dims[OPERAND_MAX_DIMS];
-    for (int i = 0; i < o->ndim; i++)
-        dims[i] = (npy_intp)o->shape[i];
-    format_shape(got, sizeof got, o->ndim, dims);
+    mcpy_format_shape(got, sizeof got, o->ndim, o->shape);
     PyErr_Format(PyExc_ValueError, "%s: argument '%s': expected shape %s, got %s", call->op_name,
                  o->arg, expected, got);
     return -1;
@@ -473,7 +465,8 @@ static void release_call(op_call *call) {
 }
 
 /* ------------------------------------------------------------------------
- * Params. Each op lists the keys it reads; any other key is an error. */
+ * Params. Each op lists the keys it reads; any other key is an error except
+ * the common "threads" (read by py_run_op before the backend is made). */
 
 static int check_param_keys(op_call *call, const char *const *allowed) {
     PyObject *key, *value;
@@ -484,6 +477,7 @@ static int check_param_keys(op_call *call, const char *const *allowed) {
             const char *name = PyUnicode_AsUTF8(key);
             if (name == NULL)
                 return -1;
+            known = strcmp(name, "threads") == 0;
             for (int i = 0; allowed[i] != NULL && !known; i++)
                 known = strcmp(name, allowed[i]) == 0;
         }
@@ -646,15 +640,7 @@ static int param_act(op_call *call, const char *key, int required, mc_act *out) 
 }
 
 /* ------------------------------------------------------------------------
- * Running an op: the status of `expr`, evaluated without the GIL; on failure
- * the handler raises from call->err. */
-
-#define RUN_WITHOUT_GIL(status, expr) \
-    do {                              \
-        Py_BEGIN_ALLOW_THREADS        \
-        (status) = (expr);            \
-        Py_END_ALLOW_THREADS          \
-    } while (0)
+ * Running an op. */
 
 #define INT_MAX_LL 2147483647LL
 
@@ -672,11 +658,83 @@ static int check_arity(op_call *call, Py_ssize_t min_args, Py_ssize_t max_args) 
     return 0;
 }
 
+/* One input of an op: its name, dtype, rank, whether it may be None or left
+ * off the end, and whether a strided view is passed as is. */
+typedef struct arg_spec {
+    const char *name;
+    int typenum;
+    int ndim;
+    int optional;
+    int layout;
+} arg_spec;
+
+#define IN(name, ndim, layout) {name, NPY_FLOAT, ndim, ARG_REQUIRED, layout}
+#define OPT_IN(name, ndim, layout) {name, NPY_FLOAT, ndim, ARG_OPTIONAL, layout}
+#define SPECS(...) ((const arg_spec[]){__VA_ARGS__}), \
+    (int)(sizeof((const arg_spec[]){__VA_ARGS__}) / sizeof(arg_spec))
+
+/* The inputs of an op described by `count` specs, in order: the arity runs
+ * from the leading required inputs to all of them; out[i] is NULL for an
+ * optional input given as None or left off. Call as
+ * fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), ...), operands). */
+static int fetch_args(op_call *call, const arg_spec *specs, int count, operand **out) {
+    int required = 0;
+    while (required < count && !specs[required].optional)
+        required++;
+    if (check_arity(call, required, count) < 0)
+        return -1;
+    for (int i = 0; i < count; i++)
+        if (fetch_array(call, i, specs[i].name, specs[i].typenum, specs[i].ndim, specs[i].optional,
+                        specs[i].layout, &out[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* The operand has exactly `shape` (its rank's worth of sizes). */
+static int check_dims(op_call *call, const operand *o, const int64_t *shape) {
+    dim_rule rules[OPERAND_MAX_DIMS];
+    for (int i = 0; i < o->ndim; i++)
+        rules[i] = RULE_EQ(shape[i]);
+    return check_shape(call, o, rules);
+}
+
+/* An op's output that the caller may pass in (to be accumulated onto or
+ * written into a strided view): *o as given is checked to be `shape`; when
+ * None or left off it is made as zeros of that shape. */
+static int output_operand(op_call *call, operand **o, const char *arg, int ndim,
+                          const int64_t *shape) {
+    if (*o != NULL)
+        return check_dims(call, *o, shape);
+    *o = new_zeros(call, arg, NPY_FLOAT, ndim, shape);
+    return *o == NULL ? -1 : 0;
+}
+
 static PyObject *finish_op(op_call *call, mc_status status, const operand *result) {
     if (status != MC_OK)
         return mcpy_raise(&call->err);
     return download_operand(call, result);
 }
+
+/* Uploads every operand, evaluates `expr` (an mc_status) without the GIL
+ * and returns `result` downloaded, or raises from call->err. */
+#define RETURN_RUN(call, result, expr)              \
+    do {                                            \
+        if (upload_all(call) < 0)                   \
+            return NULL;                            \
+        mc_status status_;                          \
+        Py_BEGIN_ALLOW_THREADS                      \
+        status_ = (expr);                           \
+        Py_END_ALLOW_THREADS                        \
+        return finish_op(call, status_, result);    \
+    } while (0)
+
+/* RETURN_RUN of the backend's op `name` with the call's backend first and
+ * its error record last. */
+#define RETURN_OP(call, result, name, ...) \
+    RETURN_RUN(call, result, (call)->backend->ops->name((call)->backend, __VA_ARGS__, &(call)->err))
+
+/* The backend buffer of an optional operand, or NULL. */
+#define DEVICE_OR_NULL(o) ((o) != NULL ? (o)->device : NULL)
 
 /* naive=True runs the backend's plain reference kernel instead of its fast
  * one. The CPU's references (the convolutions) are called directly: returns
@@ -708,36 +766,24 @@ static PyObject *run_gemm(op_call *call) {
     static const char *const keys[] = {"trans_a", "trans_b", "alpha", "beta", NULL};
     int trans_a, trans_b;
     float alpha, beta;
-    operand *a, *b, *c;
+    operand *in[3];
     if (check_param_keys(call, keys) < 0 || param_bool(call, "trans_a", 0, &trans_a) < 0 ||
         param_bool(call, "trans_b", 0, &trans_b) < 0 ||
         param_float(call, "alpha", 0, 1.0f, &alpha) < 0 ||
-        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 3) < 0 ||
-        fetch_array(call, 0, "A", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &a) < 0 ||
-        fetch_array(call, 1, "B", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &b) < 0 ||
-        fetch_array(call, 2, "C", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &c) < 0)
+        param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
+        fetch_args(call, SPECS(IN("A", 2, LAYOUT_STRIDED), IN("B", 2, LAYOUT_STRIDED),
+                               OPT_IN("C", 2, LAYOUT_STRIDED)), in) < 0)
         return NULL;
+    operand *a = in[0], *b = in[1], *c = in[2];
     int64_t m = trans_a ? a->shape[1] : a->shape[0];
     int64_t k = trans_a ? a->shape[0] : a->shape[1];
     int64_t n = trans_b ? b->shape[0] : b->shape[1];
     dim_rule b_rule_nt[] = {RULE_EQ(k), RULE_ANY}, b_rule_t[] = {RULE_ANY, RULE_EQ(k)};
-    if (check_shape(call, b, trans_b ? b_rule_t : b_rule_nt) < 0)
+    if (check_shape(call, b, trans_b ? b_rule_t : b_rule_nt) < 0 ||
+        output_operand(call, &c, "C", 2, (int64_t[]){m, n}) < 0)
         return NULL;
-    if (c == NULL) {
-        c = new_zeros(call, "C", NPY_FLOAT, 2, (int64_t[]){m, n});
-        if (c == NULL)
-            return NULL;
-    } else if (check_shape(call, c, (dim_rule[]){RULE_EQ(m), RULE_EQ(n)}) < 0) {
-        return NULL;
-    }
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->gemm(call->backend, trans_a, trans_b, m, n, k,
-                                                     alpha, a->device, operand_ld(a), b->device,
-                                                     operand_ld(b), beta, c->device,
-                                                     operand_ld(c), &call->err));
-    return finish_op(call, status, c);
+    RETURN_OP(call, c, gemm, trans_a, trans_b, m, n, k, alpha, a->device, operand_ld(a),
+              b->device, operand_ld(b), beta, c->device, operand_ld(c));
 }
 
 /* Optional param "wtype": the backend's linear_wtype for this call. */
@@ -755,6 +801,21 @@ static int param_wtype(op_call *call, mc_wtype *out) {
     return mcpy_parse_wtype(name, out);
 }
 
+/* Replaces the host array of a weight operand by `fresh` (a new reference,
+ * C order) and describes it. */
+static int replace_weight(op_call *call, operand *w, PyArrayObject *fresh) {
+    if (fresh == NULL)
+        return -1;
+    Py_DECREF(w->host);
+    w->host = fresh;
+    w->typenum = PyArray_TYPE(fresh);
+    if (!describe_layout(w, fresh, 0)) {
+        PyErr_Format(PyExc_RuntimeError, "%s: cannot lay out the converted weight", call->op_name);
+        return -1;
+    }
+    return 0;
+}
+
 /* Replaces a float32 weight operand by its 16-bit bits (round to nearest
  * even, as mc_bind's MC_BIND_LINEAR does at model load). */
 static int narrow_weight(op_call *call, operand *w, mc_wtype wtype) {
@@ -766,14 +827,20 @@ static int narrow_weight(op_call *call, operand *w, mc_wtype wtype) {
     npy_intp n = PyArray_SIZE(bits);
     for (npy_intp i = 0; i < n; i++)
         dst[i] = mc_wtype_pack(wtype, src[i]);
-    Py_DECREF(w->host);
-    w->host = bits;
-    w->typenum = NPY_UINT16;
-    if (!describe_layout(w, bits, 0)) {
-        PyErr_Format(PyExc_RuntimeError, "%s: cannot lay out the 16-bit weight", call->op_name);
+    return replace_weight(call, w, bits);
+}
+
+/* PyTorch's [cout, cin, kh, kw] convolution weight repacked to the ops'
+ * [cout, kh, kw, cin] (C order). */
+static int repack_conv_weight(op_call *call, operand *w) {
+    npy_intp order[4] = {0, 2, 3, 1};
+    PyArray_Dims permutation = {order, 4};
+    PyObject *view = PyArray_Transpose(w->host, &permutation);
+    if (view == NULL)
         return -1;
-    }
-    return 0;
+    PyObject *packed = PyArray_NewCopy((PyArrayObject *)view, NPY_CORDER);
+    Py_DECREF(view);
+    return replace_weight(call, w, (PyArrayObject *)packed);
 }
 
 static PyObject *run_linear(op_call *call) {
@@ -781,58 +848,43 @@ static PyObject *run_linear(op_call *call) {
     mc_act act;
     float beta;
     mc_wtype wtype = MC_WTYPE_F32;
-    operand *x, *w, *bias, *y;
+    operand *in[4];
     if (check_param_keys(call, keys) < 0 || param_act(call, "act", 0, &act) < 0 ||
-        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 4) < 0)
-        return NULL;
-    if (param_wtype(call, &wtype) < 0)
+        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 4) < 0 ||
+        param_wtype(call, &wtype) < 0)
         return NULL;
     if (beta != 0.0f && beta != 1.0f)
         return raise_value(call, "param 'beta' must be 0 or 1");
     if (beta == 1.0f && act != MC_ACT_NONE)
         return raise_value(call, "param 'act' must be 'none' when beta == 1");
-    if (fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
-        fetch_array(call, 1, "W", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
-        fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0 ||
-        fetch_array(call, 3, "y", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &y) < 0)
+    if (fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), IN("W", 2, LAYOUT_CONTIGUOUS),
+                               OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 2, LAYOUT_STRIDED)),
+                   in) < 0)
         return NULL;
-    int64_t rows = x->shape[0], in = x->shape[1], out = w->shape[0];
-    if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(in)}) < 0 ||
-        (bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(out)}) < 0))
-        return NULL;
-    if (wtype != MC_WTYPE_F32 && narrow_weight(call, w, wtype) < 0)
+    operand *x = in[0], *w = in[1], *bias = in[2], *y = in[3];
+    int64_t rows = x->shape[0], width = x->shape[1], out = w->shape[0];
+    if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(width)}) < 0 ||
+        (bias != NULL && check_dims(call, bias, &out) < 0) ||
+        (wtype != MC_WTYPE_F32 && narrow_weight(call, w, wtype) < 0) ||
+        output_operand(call, &y, "y", 2, (int64_t[]){rows, out}) < 0)
         return NULL;
     call->backend->linear_wtype = wtype;
-    if (y == NULL) {
-        y = new_zeros(call, "y", NPY_FLOAT, 2, (int64_t[]){rows, out});
-        if (y == NULL)
-            return NULL;
-    } else if (check_shape(call, y, (dim_rule[]){RULE_EQ(rows), RULE_EQ(out)}) < 0) {
-        return NULL;
-    }
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->linear(
-                                call->backend, x->device, operand_ld(x), rows, in, w->device,
-                                bias != NULL ? bias->device : NULL, out, act, beta, y->device,
-                                operand_ld(y), &call->err));
-    return finish_op(call, status, y);
+    RETURN_OP(call, y, linear, x->device, operand_ld(x), rows, width, w->device,
+              DEVICE_OR_NULL(bias), out, act, beta, y->device, operand_ld(y));
 }
 
 static PyObject *run_layernorm(op_call *call) {
     static const char *const keys[] = {"eps", "inplace", NULL};
     float eps;
     int inplace;
-    operand *x, *w, *b, *shift, *scale, *y;
+    operand *in[5];
     if (check_param_keys(call, keys) < 0 || param_float(call, "eps", 1, 0.0f, &eps) < 0 ||
-        param_bool(call, "inplace", 0, &inplace) < 0 || check_arity(call, 1, 5) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
-        fetch_array(call, 1, "w", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &w) < 0 ||
-        fetch_array(call, 2, "b", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &b) < 0 ||
-        fetch_array(call, 3, "shift", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &shift) < 0 ||
-        fetch_array(call, 4, "scale", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_STRIDED, &scale) < 0)
+        param_bool(call, "inplace", 0, &inplace) < 0 ||
+        fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), OPT_IN("w", 1, LAYOUT_CONTIGUOUS),
+                               OPT_IN("b", 1, LAYOUT_CONTIGUOUS), OPT_IN("shift", 2, LAYOUT_STRIDED),
+                               OPT_IN("scale", 2, LAYOUT_STRIDED)), in) < 0)
         return NULL;
+    operand *x = in[0], *w = in[1], *b = in[2], *shift = in[3], *scale = in[4];
     if (eps <= 0.0f)
         return raise_value(call, "param 'eps' must be positive");
     if (b != NULL && w == NULL)
@@ -840,30 +892,21 @@ static PyObject *run_layernorm(op_call *call) {
     if ((shift == NULL) != (scale == NULL))
         return raise_value(call, "arguments 'shift' and 'scale' come together");
     int64_t rows = x->shape[0], dim = x->shape[1];
-    dim_rule vec[] = {RULE_EQ(dim)}, mod[] = {RULE_EQ(rows), RULE_EQ(dim)};
-    if ((w != NULL && check_shape(call, w, vec) < 0) ||
-        (b != NULL && check_shape(call, b, vec) < 0) ||
-        (shift != NULL && check_shape(call, shift, mod) < 0) ||
-        (scale != NULL && check_shape(call, scale, mod) < 0))
+    if ((w != NULL && check_dims(call, w, &dim) < 0) ||
+        (b != NULL && check_dims(call, b, &dim) < 0) ||
+        (shift != NULL && check_dims(call, shift, x->shape) < 0) ||
+        (scale != NULL && check_dims(call, scale, x->shape) < 0))
         return NULL;
     /* shift and scale share ld_mod. */
     if (shift != NULL && operand_ld(shift) != operand_ld(scale) &&
         (make_contiguous(call, shift) < 0 || make_contiguous(call, scale) < 0))
         return NULL;
-    y = x;
-    if (!inplace && (y = new_zeros(call, "y", NPY_FLOAT, 2, (int64_t[]){rows, dim})) == NULL)
+    operand *y = x;
+    if (!inplace && (y = new_zeros(call, "y", NPY_FLOAT, 2, x->shape)) == NULL)
         return NULL;
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->layernorm(
-                                call->backend, x->device, operand_ld(x), rows, dim,
-                                w != NULL ? w->device : NULL, b != NULL ? b->device : NULL, eps,
-                                shift != NULL ? shift->device : NULL,
-                                scale != NULL ? scale->device : NULL,
-                                shift != NULL ? operand_ld(shift) : dim, y->device, operand_ld(y),
-                                &call->err));
-    return finish_op(call, status, y);
+    RETURN_OP(call, y, layernorm, x->device, operand_ld(x), rows, dim, DEVICE_OR_NULL(w),
+              DEVICE_OR_NULL(b), eps, DEVICE_OR_NULL(shift), DEVICE_OR_NULL(scale),
+              shift != NULL ? operand_ld(shift) : dim, y->device, operand_ld(y));
 }
 
 static PyObject *run_activation(op_call *call) {
@@ -871,53 +914,38 @@ static PyObject *run_activation(op_call *call) {
     mc_act act;
     operand *x;
     if (check_param_keys(call, keys) < 0 || param_act(call, "act", 1, &act) < 0 ||
-        check_arity(call, 1, 1) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
-        upload_all(call) < 0)
+        fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED)), &x) < 0)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->activation(call->backend, act, x->device,
-                                                           operand_ld(x), x->shape[0],
-                                                           x->shape[1], &call->err));
-    return finish_op(call, status, x);
+    RETURN_OP(call, x, activation, act, x->device, operand_ld(x), x->shape[0], x->shape[1]);
 }
 
 static PyObject *run_add_rows(op_call *call) {
     static const char *const keys[] = {"period", NULL};
-    operand *y, *v;
+    operand *in[2];
     long long period;
-    if (check_param_keys(call, keys) < 0 || check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "y", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &y) < 0 ||
-        fetch_array(call, 1, "v", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &v) < 0 ||
-        check_shape(call, v, (dim_rule[]){RULE_GE(1), RULE_EQ(y->shape[1])}) < 0 ||
-        param_integer(call, "period", 0, v->shape[0], 1, v->shape[0], &period) < 0 ||
-        upload_all(call) < 0)
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("y", 2, LAYOUT_STRIDED), IN("v", 2, LAYOUT_STRIDED)), in) < 0)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->add_rows(call->backend, y->device, operand_ld(y),
-                                                         y->shape[0], y->shape[1], v->device,
-                                                         operand_ld(v), period, &call->err));
-    return finish_op(call, status, y);
+    operand *y = in[0], *v = in[1];
+    if (check_shape(call, v, (dim_rule[]){RULE_GE(1), RULE_EQ(y->shape[1])}) < 0 ||
+        param_integer(call, "period", 0, v->shape[0], 1, v->shape[0], &period) < 0)
+        return NULL;
+    RETURN_OP(call, y, add_rows, y->device, operand_ld(y), y->shape[0], y->shape[1], v->device,
+              operand_ld(v), period);
 }
 
 static PyObject *run_gated_add(op_call *call) {
     static const char *const keys[] = {NULL};
-    operand *y, *u, *gate;
-    if (check_param_keys(call, keys) < 0 || check_arity(call, 3, 3) < 0 ||
-        fetch_array(call, 0, "y", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &y) < 0 ||
-        fetch_array(call, 1, "u", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &u) < 0 ||
-        fetch_array(call, 2, "gate", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &gate) < 0)
+    operand *in[3];
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("y", 2, LAYOUT_STRIDED), IN("u", 2, LAYOUT_STRIDED),
+                               IN("gate", 2, LAYOUT_STRIDED)), in) < 0)
         return NULL;
-    dim_rule same[] = {RULE_EQ(y->shape[0]), RULE_EQ(y->shape[1])};
-    if (check_shape(call, u, same) < 0 || check_shape(call, gate, same) < 0 ||
-        upload_all(call) < 0)
+    operand *y = in[0], *u = in[1], *gate = in[2];
+    if (check_dims(call, u, y->shape) < 0 || check_dims(call, gate, y->shape) < 0)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->gated_add(
-                                call->backend, y->device, operand_ld(y), u->device, operand_ld(u),
-                                gate->device, operand_ld(gate), y->shape[0], y->shape[1],
-                                &call->err));
-    return finish_op(call, status, y);
+    RETURN_OP(call, y, gated_add, y->device, operand_ld(y), u->device, operand_ld(u), gate->device,
+              operand_ld(gate), y->shape[0], y->shape[1]);
 }
 
 /* Every index in [0, limit); with `distinct`, no index twice. */
@@ -950,43 +978,53 @@ static int check_indices(op_call *call, const operand *idx, int64_t limit, int d
     return result;
 }
 
+#define IDX_IN {"idx", NPY_INT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS}
+
 static PyObject *run_gather_rows(op_call *call) {
     static const char *const keys[] = {NULL};
-    operand *src, *idx, *dst;
-    if (check_param_keys(call, keys) < 0 || check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "src", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &src) < 0 ||
-        fetch_array(call, 1, "idx", NPY_INT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &idx) < 0 ||
-        check_indices(call, idx, src->shape[0], 0) < 0)
+    operand *in[2], *dst;
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("src", 2, LAYOUT_STRIDED), IDX_IN), in) < 0)
         return NULL;
+    operand *src = in[0], *idx = in[1];
     int64_t rows = idx->shape[0], dim = src->shape[1];
-    if ((dst = new_zeros(call, "dst", NPY_FLOAT, 2, (int64_t[]){rows, dim})) == NULL ||
-        upload_all(call) < 0)
+    if (check_indices(call, idx, src->shape[0], 0) < 0 ||
+        (dst = new_zeros(call, "dst", NPY_FLOAT, 2, (int64_t[]){rows, dim})) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->gather_rows(call->backend, src->device,
-                                                            operand_ld(src), idx->device, rows,
-                                                            dim, dst->device, operand_ld(dst),
-                                                            &call->err));
-    return finish_op(call, status, dst);
+    RETURN_OP(call, dst, gather_rows, src->device, operand_ld(src), idx->device, rows, dim,
+              dst->device, operand_ld(dst));
 }
 
 static PyObject *run_scatter_rows(op_call *call) {
     static const char *const keys[] = {NULL};
-    operand *src, *idx, *dst;
-    if (check_param_keys(call, keys) < 0 || check_arity(call, 3, 3) < 0 ||
-        fetch_array(call, 0, "src", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &src) < 0 ||
-        fetch_array(call, 1, "idx", NPY_INT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &idx) < 0 ||
-        fetch_array(call, 2, "dst", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &dst) < 0 ||
-        check_shape(call, idx, (dim_rule[]){RULE_EQ(src->shape[0])}) < 0 ||
-        check_shape(call, dst, (dim_rule[]){RULE_ANY, RULE_EQ(src->shape[1])}) < 0 ||
-        check_indices(call, idx, dst->shape[0], 1) < 0 || upload_all(call) < 0)
+    operand *in[3];
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("src", 2, LAYOUT_STRIDED), IDX_IN, IN("dst", 2, LAYOUT_STRIDED)),
+                   in) < 0)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->scatter_rows(
-                                call->backend, src->device, operand_ld(src), idx->device,
-                                src->shape[0], src->shape[1], dst->device, operand_ld(dst),
-                                &call->err));
-    return finish_op(call, status, dst);
+    operand *src = in[0], *idx = in[1], *dst = in[2];
+    if (check_dims(call, idx, src->shape) < 0 ||
+        check_shape(call, dst, (dim_rule[]){RULE_ANY, RULE_EQ(src->shape[1])}) < 0 ||
+        check_indices(call, idx, dst->shape[0], 1) < 0)
+        return NULL;
+    RETURN_OP(call, dst, scatter_rows, src->device, operand_ld(src), idx->device, src->shape[0],
+              src->shape[1], dst->device, operand_ld(dst));
+}
+
+/* heads (required) and the head width of `width` columns; -1 with
+ * ValueError naming `arg` unless width is a positive multiple of heads. */
+static int param_heads(op_call *call, long long max_heads, const char *arg, int64_t width,
+                       long long *heads, int *head_dim) {
+    if (param_integer(call, "heads", 1, 0, 1, max_heads, heads) < 0)
+        return -1;
+    if (width % *heads != 0 || width / *heads == 0 || width / *heads > INT_MAX_LL) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s': width %lld is not a positive multiple of heads = %lld",
+                     call->op_name, arg, (long long)width, *heads);
+        return -1;
+    }
+    *head_dim = (int)(width / *heads);
+    return 0;
 }
 
 static PyObject *run_attention(op_call *call) {
@@ -996,12 +1034,11 @@ static PyObject *run_attention(op_call *call) {
     const int max_segments = (int)(sizeof k_names / sizeof k_names[0]);
     Py_ssize_t n_inputs = PyTuple_GET_SIZE(call->inputs);
     long long heads;
+    int head_dim, naive;
     double scale;
-    int naive;
     mc_wtype wtype;
     operand *q, *out;
     if (check_param_keys(call, keys) < 0 ||
-        param_integer(call, "heads", 1, 0, 1, INT_MAX_LL, &heads) < 0 ||
         param_bool(call, "naive", 0, &naive) < 0 || use_naive(call, naive, 0) < 0 ||
         param_wtype(call, &wtype) < 0)
         return NULL;
@@ -1013,19 +1050,11 @@ static PyObject *run_attention(op_call *call) {
                      max_segments, n_inputs);
         return NULL;
     }
-    if (fetch_array(call, 0, "q", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED, &q) < 0)
+    if (fetch_array(call, 0, "q", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED, &q) < 0 ||
+        param_heads(call, INT_MAX_LL, "q", q->shape[2], &heads, &head_dim) < 0 ||
+        param_double(call, "scale", 0, 1.0 / sqrt((double)head_dim), &scale) < 0)
         return NULL;
     int64_t batch = q->shape[0], nq = q->shape[1], width = q->shape[2];
-    if (width % heads != 0 || width / heads == 0 || width / heads > INT_MAX_LL) {
-        PyErr_Format(PyExc_ValueError,
-                     "attention: argument 'q': width %lld is not a positive multiple of heads = "
-                     "%lld",
-                     (long long)width, heads);
-        return NULL;
-    }
-    int head_dim = (int)(width / heads);
-    if (param_double(call, "scale", 0, 1.0 / sqrt((double)head_dim), &scale) < 0)
-        return NULL;
     int nsegs = (int)((n_inputs - 1) / 2);
     mc_kv_segment *segs = PyMem_Calloc((size_t)nsegs, sizeof *segs);
     if (segs == NULL) {
@@ -1042,8 +1071,7 @@ static PyObject *run_attention(op_call *call) {
             fetch_array(call, 2 + 2 * s, v_names[s], NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_STRIDED,
                         &v) < 0 ||
             check_shape(call, k, (dim_rule[]){RULE_EQ(batch), RULE_ANY, RULE_EQ(width)}) < 0 ||
-            check_shape(call, v,
-                        (dim_rule[]){RULE_EQ(batch), RULE_EQ(k->shape[1]), RULE_EQ(width)}) < 0)
+            check_dims(call, v, k->shape) < 0)
             return NULL;
         /* A segment has one ld and one batch stride for k and v. */
         if ((operand_ld(k) != operand_ld(v) ||
@@ -1056,8 +1084,7 @@ static PyObject *run_attention(op_call *call) {
     }
     if (total_keys == 0)
         return raise_value(call, "the segments hold no keys (every k has 0 rows)");
-    if ((out = new_zeros(call, "out", NPY_FLOAT, 3, (int64_t[]){batch, nq, width})) == NULL ||
-        upload_all(call) < 0)
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 3, q->shape)) == NULL || upload_all(call) < 0)
         return NULL;
     for (int s = 0; s < nsegs; s++) {
         segs[s].k = keys_of[s]->device;
@@ -1066,13 +1093,9 @@ static PyObject *run_attention(op_call *call) {
         segs[s].ld = operand_ld(keys_of[s]);
         segs[s].batch_stride = operand_batch_stride(keys_of[s]);
     }
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->attention(
-                                call->backend, batch, nq, (int)heads, head_dim, (float)scale,
-                                q->device, operand_ld(q), operand_batch_stride(q), segs, nsegs,
-                                out->device, operand_ld(out), operand_batch_stride(out),
-                                &call->err));
-    return finish_op(call, status, out);
+    RETURN_OP(call, out, attention, batch, nq, (int)heads, head_dim, (float)scale, q->device,
+              operand_ld(q), operand_batch_stride(q), segs, nsegs, out->device, operand_ld(out),
+              operand_batch_stride(out));
 }
 
 static PyObject *run_groupnorm(op_call *call) {
@@ -1080,15 +1103,15 @@ static PyObject *run_groupnorm(op_call *call) {
     long long groups;
     float eps;
     int swish, inplace;
-    operand *x, *w, *b, *y;
+    operand *in[3];
     if (check_param_keys(call, keys) < 0 ||
         param_integer(call, "groups", 1, 0, 1, INT_MAX_LL, &groups) < 0 ||
         param_float(call, "eps", 1, 0.0f, &eps) < 0 || param_bool(call, "swish", 0, &swish) < 0 ||
-        param_bool(call, "inplace", 0, &inplace) < 0 || check_arity(call, 3, 3) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
-        fetch_array(call, 1, "w", NPY_FLOAT, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
-        fetch_array(call, 2, "b", NPY_FLOAT, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &b) < 0)
+        param_bool(call, "inplace", 0, &inplace) < 0 ||
+        fetch_args(call, SPECS(IN("x", 3, LAYOUT_CONTIGUOUS), OPT_IN("w", 1, LAYOUT_CONTIGUOUS),
+                               OPT_IN("b", 1, LAYOUT_CONTIGUOUS)), in) < 0)
         return NULL;
+    operand *x = in[0], *w = in[1], *b = in[2];
     int64_t channels = x->shape[2];
     if (eps <= 0.0f)
         return raise_value(call, "param 'eps' must be positive");
@@ -1098,47 +1121,29 @@ static PyObject *run_groupnorm(op_call *call) {
                      groups, (long long)channels);
         return NULL;
     }
-    if (check_shape(call, w, (dim_rule[]){RULE_EQ(channels)}) < 0 ||
-        check_shape(call, b, (dim_rule[]){RULE_EQ(channels)}) < 0)
+    if ((w != NULL && check_dims(call, w, &channels) < 0) ||
+        (b != NULL && check_dims(call, b, &channels) < 0))
         return NULL;
-    y = x;
+    operand *y = x;
     if (!inplace && (y = new_zeros(call, "y", NPY_FLOAT, 3, x->shape)) == NULL)
         return NULL;
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->groupnorm(
-                                call->backend, x->device, x->shape[0], x->shape[1], channels,
-                                (int)groups, w->device, b->device, eps, swish, y->device,
-                                &call->err));
-    return finish_op(call, status, y);
-}
-
-/* PyTorch's [cout, cin, k, k] as a C-order [cout, k, k, cin] array (new ref). */
-static PyArrayObject *repack_conv_weight(PyArrayObject *w) {
-    npy_intp order[4] = {0, 2, 3, 1};
-    PyArray_Dims permutation = {order, 4};
-    PyObject *view = PyArray_Transpose(w, &permutation);
-    if (view == NULL)
-        return NULL;
-    PyObject *packed = PyArray_NewCopy((PyArrayObject *)view, NPY_CORDER);
-    Py_DECREF(view);
-    return (PyArrayObject *)packed;
+    RETURN_OP(call, y, groupnorm, x->device, x->shape[0], x->shape[1], channels, (int)groups,
+              DEVICE_OR_NULL(w), DEVICE_OR_NULL(b), eps, swish, y->device);
 }
 
 static PyObject *run_conv2d(op_call *call) {
     static const char *const keys[] = {"beta", "naive", NULL};
     float beta;
     int naive, cpu_naive = 0;
-    operand *x, *w, *bias, *y;
+    operand *in[4];
     if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
         param_bool(call, "naive", 0, &naive) < 0 ||
-        (cpu_naive = use_naive(call, naive, 1)) < 0 || check_arity(call, 2, 4) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
-        fetch_array(call, 1, "w", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
-        fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0 ||
-        fetch_array(call, 3, "y", NPY_FLOAT, 4, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &y) < 0)
+        (cpu_naive = use_naive(call, naive, 1)) < 0 ||
+        fetch_args(call, SPECS(IN("x", 4, LAYOUT_CONTIGUOUS), IN("w", 4, LAYOUT_CONTIGUOUS),
+                               OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 4, LAYOUT_CONTIGUOUS)),
+                   in) < 0)
         return NULL;
+    operand *x = in[0], *w = in[1], *bias = in[2], *y = in[3];
     int64_t batch = x->shape[0], height = x->shape[1], width = x->shape[2], cin = x->shape[3];
     int64_t cout = w->shape[0], ksize = w->shape[2];
     if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(cin), RULE_ANY, RULE_EQ(ksize)}) < 0)
@@ -1150,81 +1155,50 @@ static PyObject *run_conv2d(op_call *call) {
                      (long long)ksize);
         return NULL;
     }
-    if ((bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(cout)}) < 0))
+    if ((bias != NULL && check_dims(call, bias, &cout) < 0) ||
+        output_operand(call, &y, "y", 4, (int64_t[]){batch, height, width, cout}) < 0 ||
+        repack_conv_weight(call, w) < 0)
         return NULL;
-    int64_t out_shape[4] = {batch, height, width, cout};
-    if (y == NULL) {
-        if ((y = new_zeros(call, "y", NPY_FLOAT, 4, out_shape)) == NULL)
-            return NULL;
-    } else if (check_shape(call, y,
-                           (dim_rule[]){RULE_EQ(batch), RULE_EQ(height), RULE_EQ(width),
-                                        RULE_EQ(cout)}) < 0) {
-        return NULL;
-    }
-    PyArrayObject *packed = repack_conv_weight(w->host);
-    if (packed == NULL)
-        return NULL;
-    Py_DECREF(w->host);
-    w->host = packed;
-    if (!describe_layout(w, packed, 0)) {
-        PyErr_SetString(PyExc_RuntimeError, "conv2d: cannot lay out the repacked weight");
-        return NULL;
-    }
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    const float *bd = bias != NULL ? bias->device : NULL;
     if (cpu_naive)
-        RUN_WITHOUT_GIL(status, mc_cpu_conv2d_naive(call->backend, x->device, batch, height, width,
-                                                    cin, w->device, bd, cout, (int)ksize, beta,
-                                                    y->device, &call->err));
-    else
-        RUN_WITHOUT_GIL(status, call->backend->ops->conv2d(call->backend, x->device, batch, height,
-                                                           width, cin, w->device, bd, cout,
-                                                           (int)ksize, beta, y->device,
-                                                           &call->err));
-    return finish_op(call, status, y);
+        RETURN_RUN(call, y, mc_cpu_conv2d_naive(call->backend, x->device, batch, height, width, cin,
+                                                w->device, DEVICE_OR_NULL(bias), cout, (int)ksize,
+                                                beta, y->device, &call->err));
+    RETURN_OP(call, y, conv2d, x->device, batch, height, width, cin, w->device, DEVICE_OR_NULL(bias),
+              cout, (int)ksize, beta, y->device);
 }
 
 static PyObject *run_upsample_nearest2x(op_call *call) {
     static const char *const keys[] = {NULL};
     operand *x, *y;
-    if (check_param_keys(call, keys) < 0 || check_arity(call, 1, 1) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0)
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("x", 4, LAYOUT_CONTIGUOUS)), &x) < 0)
         return NULL;
     int64_t out_shape[4] = {x->shape[0], 2 * x->shape[1], 2 * x->shape[2], x->shape[3]};
-    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, out_shape)) == NULL || upload_all(call) < 0)
+    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, out_shape)) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->upsample_nearest2x(
-                                call->backend, x->device, x->shape[0], x->shape[1], x->shape[2],
-                                x->shape[3], y->device, &call->err));
-    return finish_op(call, status, y);
+    RETURN_OP(call, y, upsample_nearest2x, x->device, x->shape[0], x->shape[1], x->shape[2],
+              x->shape[3], y->device);
 }
 
 static PyObject *run_cfg_combine(op_call *call) {
     static const char *const keys[] = {"scale", "channels", NULL};
     float scale;
     long long channels;
-    operand *cond, *uncond, *out;
+    operand *in[2], *out;
     if (check_param_keys(call, keys) < 0 || param_float(call, "scale", 1, 0.0f, &scale) < 0 ||
-        check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "cond", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &cond) < 0 ||
-        fetch_array(call, 1, "uncond", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &uncond) < 0 ||
-        param_integer(call, "channels", 0, cond->shape[1], 1,
+        fetch_args(call, SPECS(IN("cond", 2, LAYOUT_STRIDED), IN("uncond", 2, LAYOUT_STRIDED)),
+                   in) < 0)
+        return NULL;
+    operand *cond = in[0], *uncond = in[1];
+    if (param_integer(call, "channels", 0, cond->shape[1], 1,
                       cond->shape[1] < INT_MAX_LL ? cond->shape[1] : INT_MAX_LL, &channels) < 0 ||
         check_shape(call, uncond, (dim_rule[]){RULE_EQ(cond->shape[0]), RULE_GE(channels)}) < 0)
         return NULL;
     int64_t rows = cond->shape[0];
-    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){rows, channels})) == NULL ||
-        upload_all(call) < 0)
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){rows, channels})) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->cfg_combine(
-                                call->backend, cond->device, operand_ld(cond), uncond->device,
-                                operand_ld(uncond), rows, (int)channels, scale, out->device,
-                                operand_ld(out), &call->err));
-    return finish_op(call, status, out);
+    RETURN_OP(call, out, cfg_combine, cond->device, operand_ld(cond), uncond->device,
+              operand_ld(uncond), rows, (int)channels, scale, out->device, operand_ld(out));
 }
 
 static PyObject *run_ddpm_step(op_call *call) {
@@ -1237,133 +1211,106 @@ static PyObject *run_ddpm_step(op_call *call) {
                                        "noise_scale",
                                        NULL};
     mc_ddpm_coefs coefs;
-    operand *x, *eps, *v, *noise;
-    if (check_param_keys(call, keys) < 0 ||
-        param_float(call, keys[0], 1, 0.0f, &coefs.sqrt_recip_alphas_cumprod) < 0 ||
-        param_float(call, keys[1], 1, 0.0f, &coefs.sqrt_recipm1_alphas_cumprod) < 0 ||
-        param_float(call, keys[2], 1, 0.0f, &coefs.posterior_mean_coef1) < 0 ||
-        param_float(call, keys[3], 1, 0.0f, &coefs.posterior_mean_coef2) < 0 ||
-        param_float(call, keys[4], 1, 0.0f, &coefs.log_beta) < 0 ||
-        param_float(call, keys[5], 1, 0.0f, &coefs.posterior_log_variance) < 0 ||
-        param_float(call, keys[6], 1, 0.0f, &coefs.noise_scale) < 0 ||
-        check_arity(call, 3, 4) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &x) < 0 ||
-        fetch_array(call, 1, "eps", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &eps) < 0 ||
-        fetch_array(call, 2, "v", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &v) < 0 ||
-        fetch_array(call, 3, "noise", NPY_FLOAT, 2, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &noise) < 0)
+    float *fields[] = {&coefs.sqrt_recip_alphas_cumprod, &coefs.sqrt_recipm1_alphas_cumprod,
+                       &coefs.posterior_mean_coef1, &coefs.posterior_mean_coef2, &coefs.log_beta,
+                       &coefs.posterior_log_variance, &coefs.noise_scale};
+    operand *in[4];
+    if (check_param_keys(call, keys) < 0)
         return NULL;
+    for (int i = 0; keys[i] != NULL; i++)
+        if (param_float(call, keys[i], 1, 0.0f, fields[i]) < 0)
+            return NULL;
+    if (fetch_args(call, SPECS(IN("x", 2, LAYOUT_CONTIGUOUS), IN("eps", 2, LAYOUT_STRIDED),
+                               IN("v", 2, LAYOUT_STRIDED), OPT_IN("noise", 2, LAYOUT_CONTIGUOUS)),
+                   in) < 0)
+        return NULL;
+    operand *x = in[0], *eps = in[1], *v = in[2], *noise = in[3];
     int64_t rows = x->shape[0], channels = x->shape[1];
     if (channels > INT_MAX_LL)
         return raise_value(call, "argument 'x': too many channels");
     dim_rule head_out[] = {RULE_EQ(rows), RULE_GE(channels)};
     if (check_shape(call, eps, head_out) < 0 || check_shape(call, v, head_out) < 0 ||
-        (noise != NULL &&
-         check_shape(call, noise, (dim_rule[]){RULE_EQ(rows), RULE_EQ(channels)}) < 0))
+        (noise != NULL && check_dims(call, noise, x->shape) < 0))
         return NULL;
     if (noise == NULL && coefs.noise_scale != 0.0f)
         return raise_value(call, "argument 'noise' is required when noise_scale != 0");
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->ddpm_step(
-                                call->backend, x->device, rows, (int)channels, eps->device,
-                                operand_ld(eps), v->device, operand_ld(v),
-                                noise != NULL ? noise->device : NULL, &coefs, &call->err));
-    return finish_op(call, status, x);
+    RETURN_OP(call, x, ddpm_step, x->device, rows, (int)channels, eps->device, operand_ld(eps),
+              v->device, operand_ld(v), DEVICE_OR_NULL(noise), &coefs);
 }
 
 static PyObject *run_token_normals(op_call *call) {
     static const char *const keys[] = {"seed", "stream", "step", "channels", NULL};
     uint64_t seed;
     long long stream, step, channels;
-    operand *image, *position, *out;
+    operand *in[2], *out;
     if (check_param_keys(call, keys) < 0 || param_u64(call, "seed", &seed) < 0 ||
         param_integer(call, "stream", 1, 0, 0, 0xffff, &stream) < 0 ||
         param_integer(call, "step", 1, 0, 0, 0xffff, &step) < 0 ||
         param_integer(call, "channels", 1, 0, 1, 64, &channels) < 0 ||
-        check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "image", NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &image) <
-            0 ||
-        fetch_array(call, 1, "position", NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS,
-                    &position) < 0 ||
-        check_shape(call, position, (dim_rule[]){RULE_EQ(image->shape[0])}) < 0)
+        fetch_args(call, SPECS({"image", NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS},
+                               {"position", NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS}), in) < 0)
         return NULL;
+    operand *image = in[0], *position = in[1];
     int64_t rows = image->shape[0];
-    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){rows, channels})) == NULL ||
-        upload_all(call) < 0)
+    if (check_dims(call, position, image->shape) < 0 ||
+        (out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){rows, channels})) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->token_normals(
-                                call->backend, seed, (uint32_t)stream, (uint32_t)step,
-                                image->device, position->device, rows, (int)channels,
-                                out->device, &call->err));
-    return finish_op(call, status, out);
+    RETURN_OP(call, out, token_normals, seed, (uint32_t)stream, (uint32_t)step, image->device,
+              position->device, rows, (int)channels, out->device);
 }
 
 static PyObject *run_axpby(op_call *call) {
     static const char *const keys[] = {"a", "b", NULL};
     float a, b;
-    operand *x, *y;
+    operand *in[2];
     if (check_param_keys(call, keys) < 0 || param_float(call, "a", 1, 0.0f, &a) < 0 ||
-        param_float(call, "b", 1, 0.0f, &b) < 0 || check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
-        fetch_array(call, 1, "y", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &y) < 0 ||
-        check_shape(call, y, (dim_rule[]){RULE_EQ(x->shape[0]), RULE_EQ(x->shape[1])}) < 0 ||
-        upload_all(call) < 0)
+        param_float(call, "b", 1, 0.0f, &b) < 0 ||
+        fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), IN("y", 2, LAYOUT_CONTIGUOUS)), in) < 0)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->axpby(call->backend, a, x->device, operand_ld(x), b,
-                                                      y->device, operand_ld(y), x->shape[0],
-                                                      x->shape[1], &call->err));
-    return finish_op(call, status, y);
+    operand *x = in[0], *y = in[1];
+    if (check_dims(call, y, x->shape) < 0)
+        return NULL;
+    RETURN_OP(call, y, axpby, a, x->device, operand_ld(x), b, y->device, operand_ld(y), x->shape[0],
+              x->shape[1]);
 }
 
 static PyObject *run_cosine_rows(op_call *call) {
     static const char *const keys[] = {"heads", NULL};
     long long heads;
-    operand *a, *b, *out;
-    if (check_param_keys(call, keys) < 0 || param_integer(call, "heads", 1, 0, 1, 4096, &heads) < 0 ||
-        check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "a", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &a) < 0 ||
-        fetch_array(call, 1, "b", NPY_FLOAT, 2, ARG_REQUIRED, LAYOUT_STRIDED, &b) < 0 ||
-        check_shape(call, b, (dim_rule[]){RULE_EQ(a->shape[0]), RULE_EQ(a->shape[1])}) < 0)
+    int head_dim;
+    operand *in[2], *out;
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("a", 2, LAYOUT_STRIDED), IN("b", 2, LAYOUT_STRIDED)), in) < 0)
         return NULL;
-    if (a->shape[1] % heads != 0)
-        return raise_value(call, "argument 'a': columns must be a multiple of heads");
+    operand *a = in[0], *b = in[1];
     int64_t rows = a->shape[0];
-    if ((out = new_zeros(call, "out", NPY_FLOAT, 1, (int64_t[]){rows})) == NULL || upload_all(call) < 0)
+    if (check_dims(call, b, a->shape) < 0 ||
+        param_heads(call, 4096, "a", a->shape[1], &heads, &head_dim) < 0 ||
+        (out = new_zeros(call, "out", NPY_FLOAT, 1, &rows)) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->cosine_rows(
-                                call->backend, a->device, operand_ld(a), b->device, operand_ld(b), rows,
-                                (int)heads, (int)(a->shape[1] / heads), out->device, &call->err));
-    return finish_op(call, status, out);
+    RETURN_OP(call, out, cosine_rows, a->device, operand_ld(a), b->device, operand_ld(b), rows,
+              (int)heads, head_dim, out->device);
 }
 
 static PyObject *run_attention_mass(op_call *call) {
     static const char *const keys[] = {"heads", "scale", NULL};
     long long heads;
-    operand *q, *k, *out;
-    if (check_param_keys(call, keys) < 0 || param_integer(call, "heads", 1, 0, 1, 4096, &heads) < 0 ||
-        check_arity(call, 2, 2) < 0 ||
-        fetch_array(call, 0, "q", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &q) < 0 ||
-        fetch_array(call, 1, "k", NPY_FLOAT, 3, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &k) < 0 ||
-        check_shape(call, k, (dim_rule[]){RULE_EQ(q->shape[0]), RULE_GE(0), RULE_EQ(q->shape[2])}) < 0)
-        return NULL;
-    if (q->shape[2] % heads != 0)
-        return raise_value(call, "argument 'q': columns must be a multiple of heads");
-    const int64_t head_dim = q->shape[2] / heads;
+    int head_dim;
     float scale;
-    if (param_float(call, "scale", 0, (float)(1.0 / sqrt((double)head_dim)), &scale) < 0)
+    operand *in[2], *out;
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("q", 3, LAYOUT_CONTIGUOUS), IN("k", 3, LAYOUT_CONTIGUOUS)), in) < 0)
+        return NULL;
+    operand *q = in[0], *k = in[1];
+    if (check_shape(call, k, (dim_rule[]){RULE_EQ(q->shape[0]), RULE_GE(0), RULE_EQ(q->shape[2])}) < 0 ||
+        param_heads(call, 4096, "q", q->shape[2], &heads, &head_dim) < 0 ||
+        param_float(call, "scale", 0, (float)(1.0 / sqrt((double)head_dim)), &scale) < 0)
         return NULL;
     const int64_t batch = q->shape[0], nq = q->shape[1], nkeys = k->shape[1], width = q->shape[2];
-    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){batch, nkeys})) == NULL || upload_all(call) < 0)
+    if ((out = new_zeros(call, "out", NPY_FLOAT, 2, (int64_t[]){batch, nkeys})) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->attention_mass(
-                                call->backend, batch, nq, (int)heads, (int)head_dim, scale, q->device, width,
-                                nq * width, k->device, width, nkeys * width, nkeys, out->device, &call->err));
-    return finish_op(call, status, out);
+    RETURN_OP(call, out, attention_mass, batch, nq, (int)heads, head_dim, scale, q->device, width,
+              nq * width, k->device, width, nkeys * width, nkeys, out->device);
 }
 
 /* ------------------------------------------------------------------------
@@ -1404,20 +1351,14 @@ static int param_window(op_call *call, mc_window2d *g, long long kh, long long k
     return 0;
 }
 
-/* The optional output y of a window op: checked against [B, OH, OW, C], or
- * made as zeros (conv2d_ex with beta = 0 never reads it). */
-static int window_output(op_call *call, Py_ssize_t index, const mc_window2d *g, int64_t channels,
-                         operand **y) {
+/* The optional output y of a window op (*y as fetched): checked against
+ * [B, OH, OW, C], or made as zeros (conv2d_ex with beta = 0 never reads it). */
+static int window_output(op_call *call, const mc_window2d *g, int64_t channels, operand **y) {
     int64_t shape[4] = {g->batch, mc_window_out_h(g), mc_window_out_w(g), channels};
-    if (fetch_array(call, index, "y", NPY_FLOAT, 4, ARG_OPTIONAL, LAYOUT_STRIDED, y) < 0)
+    int given = *y != NULL;
+    if (output_operand(call, y, "y", 4, shape) < 0)
         return -1;
-    if (*y == NULL)
-        return (*y = new_zeros(call, "y", NPY_FLOAT, 4, shape)) == NULL ? -1 : 0;
-    if (check_shape(call, *y,
-                    (dim_rule[]){RULE_EQ(shape[0]), RULE_EQ(shape[1]), RULE_EQ(shape[2]),
-                                 RULE_EQ(shape[3])}) < 0)
-        return -1;
-    return make_pixel_strided(call, *y);
+    return given ? make_pixel_strided(call, *y) : 0;
 }
 
 static PyObject *run_conv2d_ex(op_call *call) {
@@ -1425,89 +1366,66 @@ static PyObject *run_conv2d_ex(op_call *call) {
                                        "relu",     "naive",    NULL};
     float beta;
     int relu, naive, cpu_naive = 0;
-    operand *x, *w, *bias, *y;
+    operand *in[4];
     if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
         param_bool(call, "relu", 0, &relu) < 0 || param_bool(call, "naive", 0, &naive) < 0 ||
         (cpu_naive = use_naive(call, naive, 1)) < 0 ||
-        check_arity(call, 2, 4) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
-        make_pixel_strided(call, x) < 0 ||
-        fetch_array(call, 1, "w", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_CONTIGUOUS, &w) < 0 ||
-        fetch_array(call, 2, "bias", NPY_FLOAT, 1, ARG_OPTIONAL, LAYOUT_CONTIGUOUS, &bias) < 0)
+        fetch_args(call, SPECS(IN("x", 4, LAYOUT_STRIDED), IN("w", 4, LAYOUT_CONTIGUOUS),
+                               OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 4, LAYOUT_STRIDED)),
+                   in) < 0 ||
+        make_pixel_strided(call, in[0]) < 0)
         return NULL;
+    operand *x = in[0], *w = in[1], *bias = in[2], *y = in[3];
     int64_t cin = x->shape[3], cout = w->shape[0], kh = w->shape[2], kw = w->shape[3];
     if (check_shape(call, w, (dim_rule[]){RULE_GE(1), RULE_EQ(cin), RULE_GE(1), RULE_GE(1)}) < 0 ||
-        (bias != NULL && check_shape(call, bias, (dim_rule[]){RULE_EQ(cout)}) < 0))
+        (bias != NULL && check_dims(call, bias, &cout) < 0))
         return NULL;
     if (kh > INT_MAX_LL || kw > INT_MAX_LL)
         return raise_value(call, "argument 'w': kernel too large");
     mc_window2d g = {.batch = x->shape[0], .height = x->shape[1], .width = x->shape[2]};
-    if (param_window(call, &g, kh, kw, 1, 1) < 0 || window_output(call, 3, &g, cout, &y) < 0)
+    if (param_window(call, &g, kh, kw, 1, 1) < 0 || window_output(call, &g, cout, &y) < 0 ||
+        repack_conv_weight(call, w) < 0)
         return NULL;
-    PyArrayObject *packed = repack_conv_weight(w->host);
-    if (packed == NULL)
-        return NULL;
-    Py_DECREF(w->host);
-    w->host = packed;
-    if (!describe_layout(w, packed, 0)) {
-        PyErr_SetString(PyExc_RuntimeError, "conv2d_ex: cannot lay out the repacked weight");
-        return NULL;
-    }
-    if (upload_all(call) < 0)
-        return NULL;
-    mc_status status;
-    const float *bd = bias != NULL ? bias->device : NULL;
     if (cpu_naive)
-        RUN_WITHOUT_GIL(status, mc_cpu_conv2d_ex_naive(call->backend, &g, x->device, cin,
-                                                       x->stride[2], w->device, bd, cout, beta,
-                                                       relu, y->device, y->stride[2], &call->err));
-    else
-        RUN_WITHOUT_GIL(status, call->backend->ops->conv2d_ex(
-                                    call->backend, &g, x->device, cin, x->stride[2], w->device, bd,
-                                    cout, beta, relu, y->device, y->stride[2], &call->err));
-    return finish_op(call, status, y);
+        RETURN_RUN(call, y, mc_cpu_conv2d_ex_naive(call->backend, &g, x->device, cin, x->stride[2],
+                                                   w->device, DEVICE_OR_NULL(bias), cout, beta, relu,
+                                                   y->device, y->stride[2], &call->err));
+    RETURN_OP(call, y, conv2d_ex, &g, x->device, cin, x->stride[2], w->device, DEVICE_OR_NULL(bias),
+              cout, beta, relu, y->device, y->stride[2]);
 }
 
 /* Shared body of avg_pool2d (is_avg) and max_pool2d. */
 static PyObject *run_pool(op_call *call, int is_avg) {
     static const char *const avg_keys[] = {"kh",    "kw",    "stride_h", "stride_w",
                                            "pad_h", "pad_w", "count_include_pad", NULL};
-    const char *const *keys = avg_keys;
+    /* max_pool2d takes the same keys without the last */
     static const char *const max_keys[] = {"kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
                                            NULL};
-    if (!is_avg)
-        keys = max_keys;
     long long kh, kw;
     int include_pad = 0;
-    operand *x, *y;
-    if (check_param_keys(call, keys) < 0 ||
+    operand *in[2];
+    if (check_param_keys(call, is_avg ? avg_keys : max_keys) < 0 ||
         param_integer(call, "kh", 1, 0, 1, INT_MAX_LL, &kh) < 0 ||
         param_integer(call, "kw", 1, 0, 1, INT_MAX_LL, &kw) < 0 ||
         (is_avg && param_value(call, "count_include_pad") == NULL &&
          param_missing(call, "count_include_pad") < 0) ||
         (is_avg && param_bool(call, "count_include_pad", 0, &include_pad) < 0) ||
-        check_arity(call, 1, 2) < 0 ||
-        fetch_array(call, 0, "x", NPY_FLOAT, 4, ARG_REQUIRED, LAYOUT_STRIDED, &x) < 0 ||
-        make_pixel_strided(call, x) < 0)
+        fetch_args(call, SPECS(IN("x", 4, LAYOUT_STRIDED), OPT_IN("y", 4, LAYOUT_STRIDED)), in) < 0 ||
+        make_pixel_strided(call, in[0]) < 0)
         return NULL;
+    operand *x = in[0], *y = in[1];
     mc_window2d g = {.batch = x->shape[0], .height = x->shape[1], .width = x->shape[2]};
     int64_t channels = x->shape[3];
     if (param_window(call, &g, kh, kw, kh, kw) < 0)
         return NULL;
     if (g.pad_h > g.kh / 2 || g.pad_w > g.kw / 2)
         return raise_value(call, "padding must be at most half the window (kh // 2, kw // 2)");
-    if (window_output(call, 1, &g, channels, &y) < 0 || upload_all(call) < 0)
+    if (window_output(call, &g, channels, &y) < 0)
         return NULL;
-    mc_status status;
     if (is_avg)
-        RUN_WITHOUT_GIL(status, call->backend->ops->avg_pool2d(
-                                    call->backend, &g, x->device, channels, x->stride[2],
-                                    (int)include_pad, y->device, y->stride[2], &call->err));
-    else
-        RUN_WITHOUT_GIL(status, call->backend->ops->max_pool2d(call->backend, &g, x->device,
-                                                               channels, x->stride[2], y->device,
-                                                               y->stride[2], &call->err));
-    return finish_op(call, status, y);
+        RETURN_OP(call, y, avg_pool2d, &g, x->device, channels, x->stride[2], include_pad,
+                  y->device, y->stride[2]);
+    RETURN_OP(call, y, max_pool2d, &g, x->device, channels, x->stride[2], y->device, y->stride[2]);
 }
 
 static PyObject *run_avg_pool2d(op_call *call) { return run_pool(call, 1); }
@@ -1532,65 +1450,22 @@ static PyObject *run_resize_bilinear_tf1(op_call *call) {
     if (x->shape[1] < 1 || x->shape[2] < 1 || x->shape[3] < 1)
         return raise_value(call, "argument 'x': height, width and channels must be positive");
     int64_t shape[4] = {x->shape[0], out_h, out_w, x->shape[3]};
-    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, shape)) == NULL || upload_all(call) < 0)
+    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, shape)) == NULL)
         return NULL;
-    mc_status status;
-    RUN_WITHOUT_GIL(status, call->backend->ops->resize_bilinear_tf1(
-                                call->backend, x->device,
-                                typenum == NPY_UINT8 ? MC_PIXEL_U8 : MC_PIXEL_F32, x->shape[0],
-                                x->shape[1], x->shape[2], x->shape[3], out_h, out_w, normalize,
-                                y->device, &call->err));
-    return finish_op(call, status, y);
+    RETURN_OP(call, y, resize_bilinear_tf1, x->device,
+              typenum == NPY_UINT8 ? MC_PIXEL_U8 : MC_PIXEL_F32, x->shape[0], x->shape[1],
+              x->shape[2], x->shape[3], out_h, out_w, normalize, y->device);
 }
 
 /* ------------------------------------------------------------------------
- * The op table: name, binding, and whether a backend fills the entry. */
+ * The op table: one runner per entry of the op list, in its order. */
 
-#define OP_PRESENCE(field) \
-    static int has_##field(const mc_ops *ops) { return ops->field != NULL; }
-OP_PRESENCE(gemm)
-OP_PRESENCE(linear)
-OP_PRESENCE(layernorm)
-OP_PRESENCE(activation)
-OP_PRESENCE(add_rows)
-OP_PRESENCE(gated_add)
-OP_PRESENCE(gather_rows)
-OP_PRESENCE(scatter_rows)
-OP_PRESENCE(attention)
-OP_PRESENCE(groupnorm)
-OP_PRESENCE(conv2d)
-OP_PRESENCE(upsample_nearest2x)
-OP_PRESENCE(cfg_combine)
-OP_PRESENCE(ddpm_step)
-OP_PRESENCE(token_normals)
-OP_PRESENCE(axpby)
-OP_PRESENCE(cosine_rows)
-OP_PRESENCE(attention_mass)
-OP_PRESENCE(conv2d_ex)
-OP_PRESENCE(avg_pool2d)
-OP_PRESENCE(max_pool2d)
-OP_PRESENCE(resize_bilinear_tf1)
+typedef PyObject *(*op_runner)(op_call *call);
 
-typedef struct op_entry {
-    const char *name;
-    PyObject *(*run)(op_call *call);
-    int (*present)(const mc_ops *ops);
-} op_entry;
-
-#define OP_ENTRY(field) {#field, run_##field, has_##field}
-
-static const op_entry op_table[] = {
-    OP_ENTRY(gemm),          OP_ENTRY(linear),      OP_ENTRY(layernorm),
-    OP_ENTRY(activation),    OP_ENTRY(add_rows),    OP_ENTRY(gated_add),
-    OP_ENTRY(gather_rows),   OP_ENTRY(scatter_rows), OP_ENTRY(attention),
-    OP_ENTRY(groupnorm),     OP_ENTRY(conv2d),      OP_ENTRY(upsample_nearest2x),
-    OP_ENTRY(cfg_combine),   OP_ENTRY(ddpm_step),   OP_ENTRY(token_normals),
-    OP_ENTRY(axpby),         OP_ENTRY(cosine_rows), OP_ENTRY(attention_mass),
-    OP_ENTRY(conv2d_ex),     OP_ENTRY(avg_pool2d),  OP_ENTRY(max_pool2d),
-    OP_ENTRY(resize_bilinear_tf1),
+static const op_runner op_runners[MC_OP_COUNT] = {
+#define MC_OP(name, where, params, args, flops) run_##name,
+#include "../backend/ops_list.h"
 };
-
-#define OP_COUNT ((int)(sizeof op_table / sizeof op_table[0]))
 
 static PyObject *name_list(const char *const *names, int count) {
     PyObject *list = PyList_New(count);
@@ -1621,10 +1496,7 @@ static PyObject *py_backends(PyObject *self, PyObject *noargs) {
 static PyObject *py_op_names(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    const char *names[OP_COUNT];
-    for (int i = 0; i < OP_COUNT; i++)
-        names[i] = op_table[i].name;
-    return name_list(names, OP_COUNT);
+    return name_list(mc_op_names, MC_OP_COUNT);
 }
 
 static PyObject *unknown_name(const char *what, const char *given, const char *const *valid,
@@ -1638,6 +1510,24 @@ static PyObject *unknown_name(const char *what, const char *given, const char *c
     return NULL;
 }
 
+/* The common param "threads": CPU threads of the cpu and guard backends for
+ * this call (0, the default: all); the CUDA backend has none to set. */
+static int param_threads(PyObject *params, const char *op_name, int *threads) {
+    *threads = 0;
+    PyObject *value = PyDict_GetItemString(params, "threads");
+    if (value == NULL)
+        return 0;
+    long v = PyLong_Check(value) && !PyBool_Check(value) ? PyLong_AsLong(value) : -1;
+    if (v < 0 || v > 4096) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: param 'threads' must be an integer in [0, 4096], got %R",
+                     op_name, value);
+        return -1;
+    }
+    *threads = (int)v;
+    return 0;
+}
+
 static PyObject *py_run_op(PyObject *self, PyObject *args) {
     (void)self;
     const char *backend_name, *op_name;
@@ -1645,16 +1535,11 @@ static PyObject *py_run_op(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "ssO!O!:run_op", &backend_name, &op_name, &PyTuple_Type, &inputs,
                           &PyDict_Type, &params))
         return NULL;
-    const op_entry *op = NULL;
-    for (int i = 0; i < OP_COUNT && op == NULL; i++)
-        if (strcmp(op_table[i].name, op_name) == 0)
-            op = &op_table[i];
-    if (op == NULL) {
-        const char *names[OP_COUNT];
-        for (int i = 0; i < OP_COUNT; i++)
-            names[i] = op_table[i].name;
-        return unknown_name("op", op_name, names, OP_COUNT);
-    }
+    int op = 0;
+    while (op < MC_OP_COUNT && strcmp(mc_op_names[op], op_name) != 0)
+        op++;
+    if (op == MC_OP_COUNT)
+        return unknown_name("op", op_name, mc_op_names, MC_OP_COUNT);
     const backend_entry *backend = NULL;
     for (int i = 0; i < BACKEND_COUNT && backend == NULL; i++)
         if (strcmp(backend_table[i].name, backend_name) == 0)
@@ -1665,10 +1550,13 @@ static PyObject *py_run_op(PyObject *self, PyObject *args) {
             names[i] = backend_table[i].name;
         return unknown_name("backend", backend_name, names, BACKEND_COUNT);
     }
+    int threads;
+    if (param_threads(params, mc_op_names[op], &threads) < 0)
+        return NULL;
 
     op_call call;
     memset(&call, 0, sizeof call);
-    call.op_name = op->name;
+    call.op_name = mc_op_names[op];
     call.inputs = inputs;
     call.params = params;
     /* Inputs, plus one binding-made output. */
@@ -1676,16 +1564,16 @@ static PyObject *py_run_op(PyObject *self, PyObject *args) {
     call.operands = PyMem_Calloc((size_t)call.operand_capacity, sizeof(operand));
     if (call.operands == NULL)
         return PyErr_NoMemory();
-    if (backend->create(&call.backend, &call.err) != MC_OK) {
+    if (backend->create(&call.backend, threads, &call.err) != MC_OK) {
         PyMem_Free(call.operands);
         return mcpy_raise(&call.err);
     }
     PyObject *result;
-    if (!op->present(call.backend->ops))
+    if (!mc_op_supported(call.backend->ops, (mc_op_id)op))
         result = PyErr_Format(PyExc_NotImplementedError, "op %s is not implemented on backend %s",
-                              op->name, backend->name);
+                              call.op_name, call.backend->ops->name);
     else
-        result = op->run(&call);
+        result = op_runners[op](&call);
     release_call(&call);
     return result;
 }

@@ -1,29 +1,15 @@
-/* Python binding of the KL-16 VAE decoder (marcache._C.VAE) and test hooks
- * for the CPU conv-side ops (_op_groupnorm, _op_conv2d,
- * _op_upsample_nearest2x), which take NHWC float32 arrays and, for conv2d,
- * PyTorch-layout weights. */
+/* Python binding of the KL-16 VAE decoder (marcache._C.VAE) and the test
+ * hook of its float -> uint8 conversion. (Its ops are reached for tests
+ * through run_op, py_ops.c, like every other op.) */
 #include "py_numpy.h"
 #include "py_backend.h"
 
 #include <math.h>
 #include <pythread.h>
-#include <stdio.h>
-#include <string.h>
 
-#include "../backend/cpu/cpu_internal.h"
-#include "../io/safetensors.h"
 #include "../models/vae.h"
 
 /* ------------------------------------------------------------ array helpers */
-
-static void format_shape(PyArrayObject *arr, char *buf, size_t len) {
-    size_t used = (size_t)snprintf(buf, len, "(");
-    for (int d = 0; d < PyArray_NDIM(arr) && used < len; d++)
-        used += (size_t)snprintf(buf + used, len - used, d ? ", %lld" : "%lld",
-                                 (long long)PyArray_DIM(arr, d));
-    if (used < len)
-        snprintf(buf + used, len - used, PyArray_NDIM(arr) == 1 ? ",)" : ")");
-}
 
 /* Any real numeric array-like -> new reference to a C-contiguous float32
  * array. Complex, bool, object and string data are refused rather than
@@ -72,6 +58,10 @@ static void VAE_dealloc(VAEObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static mc_status load_vae(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
+    return mc_vae_load(backend, file, (mc_vae **)model, err);
+}
+
 static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", "num_threads", "device", NULL};
     const char *device = "cpu";
@@ -85,33 +75,19 @@ static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "num_threads must be >= 0 (0 = all OpenMP threads)");
         return -1;
     }
-    if (self->lock == NULL) {
-        self->lock = PyThread_allocate_lock();
-        if (self->lock == NULL) {
-            Py_DECREF(path_bytes);
-            PyErr_NoMemory();
-            return -1;
-        }
+    if (mcpy_ensure_lock(&self->lock) < 0) {
+        Py_DECREF(path_bytes);
+        return -1;
     }
     vae_release_model(self); /* __init__ called again on a live object */
 
-    const char *path = PyBytes_AS_STRING(path_bytes);
     mc_err err = {0};
-    mc_st_file *file = NULL;
     mc_backend *backend = NULL;
     mc_vae *vae = NULL;
     mc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = mc_st_open(path, &file, &err);
-    if (st == MC_OK)
-        st = mcpy_backend_open(device, num_threads, MC_WTYPE_F32, &backend, &err);
-    if (st == MC_OK)
-        st = mc_vae_load(backend, file, &vae, &err);
-    mc_st_close(file);
-    if (st != MC_OK) {
-        mc_backend_destroy(backend);
-        backend = NULL;
-    }
+    st = mcpy_load_model(PyBytes_AS_STRING(path_bytes), device, num_threads, MC_WTYPE_F32,
+                         load_vae, &vae, &backend, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_bytes);
     if (st != MC_OK) {
@@ -135,7 +111,7 @@ static PyArrayObject *vae_tokens_arg(VAEObject *self, PyObject *obj, int64_t *si
     if (tokens == NULL)
         return NULL;
     char shape[160];
-    format_shape(tokens, shape, sizeof shape);
+    mcpy_format_array_shape(shape, sizeof shape, tokens);
     long long z = (long long)self->info.z_channels;
     if (PyArray_NDIM(tokens) != 3) {
         PyErr_Format(PyExc_ValueError, "tokens must have shape [n, seq_len, %lld], got shape %s",
@@ -317,272 +293,6 @@ static PyTypeObject VAE_type = {
     .tp_new = PyType_GenericNew,
 };
 
-/* ------------------------------------------------------------- op hooks */
-
-/* Runs one op on a fresh CPU backend (cheap to make) so the hooks share no
- * scratch and need no lock. */
-typedef mc_status (*op_body)(mc_backend *be, void *args, mc_err *err);
-
-static PyObject *run_op(int num_threads, op_body body, void *args) {
-    mc_err err = {0};
-    mc_backend *be = NULL;
-    mc_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = mc_backend_cpu_create(&be, num_threads, &err);
-    if (st == MC_OK)
-        st = body(be, args, &err);
-    mc_backend_destroy(be);
-    Py_END_ALLOW_THREADS
-    if (st != MC_OK)
-        return mcpy_raise(&err);
-    Py_RETURN_NONE;
-}
-
-/* Optional [n] float32 vector argument (None -> NULL array). */
-static int vector_arg(PyObject *obj, int64_t n, const char *what, PyArrayObject **out) {
-    *out = NULL;
-    if (obj == NULL || obj == Py_None)
-        return 0;
-    PyArrayObject *arr = as_float32(obj, what);
-    if (arr == NULL)
-        return -1;
-    if (PyArray_NDIM(arr) != 1 || PyArray_DIM(arr, 0) != n) {
-        char shape[160];
-        format_shape(arr, shape, sizeof shape);
-        PyErr_Format(PyExc_ValueError, "%s must have shape (%lld,), got %s", what, (long long)n,
-                     shape);
-        Py_DECREF(arr);
-        return -1;
-    }
-    *out = arr;
-    return 0;
-}
-
-static const float *data_or_null(PyArrayObject *arr) {
-    return arr != NULL ? (const float *)PyArray_DATA(arr) : NULL;
-}
-
-typedef struct {
-    const float *x, *w, *b;
-    int64_t batch, hw, channels;
-    int groups, swish;
-    float eps;
-    float *y;
-} groupnorm_args;
-
-static mc_status groupnorm_body(mc_backend *be, void *p, mc_err *err) {
-    groupnorm_args *a = p;
-    return be->ops->groupnorm(be, a->x, a->batch, a->hw, a->channels, a->groups, a->w, a->b,
-                              a->eps, a->swish, a->y, err);
-}
-
-/* _op_groupnorm(x [B, ..., C], groups, weight=None, bias=None, eps=1e-6,
- * swish=False, num_threads=0) -> array like x. */
-static PyObject *op_groupnorm(PyObject *self, PyObject *args, PyObject *kwds) {
-    (void)self;
-    static char *kwlist[] = {"x", "groups", "weight", "bias", "eps", "swish", "num_threads", NULL};
-    PyObject *x_obj, *w_obj = Py_None, *b_obj = Py_None;
-    int groups, swish = 0, num_threads = 0;
-    double eps = 1e-6;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|OOdpi:_op_groupnorm", kwlist, &x_obj, &groups,
-                                     &w_obj, &b_obj, &eps, &swish, &num_threads))
-        return NULL;
-    PyArrayObject *x = as_float32(x_obj, "x"), *w = NULL, *b = NULL, *y = NULL;
-    PyObject *result = NULL;
-    if (x == NULL)
-        return NULL;
-    if (PyArray_NDIM(x) < 2) {
-        PyErr_SetString(PyExc_ValueError, "x must be [batch, ..., channels]");
-        goto done;
-    }
-    int64_t channels = PyArray_DIM(x, PyArray_NDIM(x) - 1), batch = PyArray_DIM(x, 0);
-    if (groups <= 0 || channels % groups != 0) {
-        PyErr_Format(PyExc_ValueError, "%lld channels do not split into %d groups",
-                     (long long)channels, groups);
-        goto done;
-    }
-    if (vector_arg(w_obj, channels, "weight", &w) < 0 || vector_arg(b_obj, channels, "bias", &b) < 0)
-        goto done;
-    y = (PyArrayObject *)PyArray_NewLikeArray(x, NPY_CORDER, NULL, 0);
-    if (y == NULL)
-        goto done;
-    int64_t total = PyArray_SIZE(x);
-    groupnorm_args a = {PyArray_DATA(x), data_or_null(w), data_or_null(b), batch,
-                        batch > 0 && channels > 0 ? total / batch / channels : 0, channels,
-                        groups, swish, (float)eps, PyArray_DATA(y)};
-    result = run_op(num_threads, groupnorm_body, &a);
-    if (result != NULL) {
-        Py_DECREF(result);
-        result = (PyObject *)y;
-        y = NULL;
-    }
-done:
-    Py_XDECREF(x);
-    Py_XDECREF(w);
-    Py_XDECREF(b);
-    Py_XDECREF(y);
-    return result;
-}
-
-typedef struct {
-    const float *x, *w, *b;
-    int64_t batch, height, width, cin, cout;
-    int ksize, naive;
-    float beta;
-    float *y;
-} conv2d_args;
-
-static mc_status conv2d_body(mc_backend *be, void *p, mc_err *err) {
-    conv2d_args *a = p;
-    if (a->naive)
-        return mc_cpu_conv2d_naive(be, a->x, a->batch, a->height, a->width, a->cin, a->w, a->b,
-                                   a->cout, a->ksize, a->beta, a->y, err);
-    return be->ops->conv2d(be, a->x, a->batch, a->height, a->width, a->cin, a->w, a->b, a->cout,
-                           a->ksize, a->beta, a->y, err);
-}
-
-/* _op_conv2d(x [B, H, W, Cin], weight [Cout, Cin, k, k] (PyTorch layout),
- * bias=None, y=None, beta=0.0, naive=False, num_threads=0)
- * -> beta * y + conv(x) as [B, H, W, Cout]. */
-static PyObject *op_conv2d(PyObject *self, PyObject *args, PyObject *kwds) {
-    (void)self;
-    static char *kwlist[] = {"x", "weight", "bias", "y", "beta", "naive", "num_threads", NULL};
-    PyObject *x_obj, *w_obj, *b_obj = Py_None, *y_obj = Py_None;
-    double beta = 0.0;
-    int naive = 0, num_threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOdpi:_op_conv2d", kwlist, &x_obj, &w_obj,
-                                     &b_obj, &y_obj, &beta, &naive, &num_threads))
-        return NULL;
-    PyArrayObject *x = as_float32(x_obj, "x"), *w = NULL, *b = NULL, *y_in = NULL, *y = NULL,
-                  *packed = NULL;
-    PyObject *result = NULL;
-    char shape[160];
-    if (x == NULL)
-        return NULL;
-    w = as_float32(w_obj, "weight");
-    if (w == NULL)
-        goto done;
-    if (PyArray_NDIM(x) != 4) {
-        format_shape(x, shape, sizeof shape);
-        PyErr_Format(PyExc_ValueError, "x must be [B, H, W, Cin], got %s", shape);
-        goto done;
-    }
-    int64_t batch = PyArray_DIM(x, 0), height = PyArray_DIM(x, 1), width = PyArray_DIM(x, 2);
-    int64_t cin = PyArray_DIM(x, 3);
-    if (PyArray_NDIM(w) != 4 || PyArray_DIM(w, 1) != cin || PyArray_DIM(w, 2) != PyArray_DIM(w, 3) ||
-        PyArray_DIM(w, 2) % 2 == 0) {
-        format_shape(w, shape, sizeof shape);
-        PyErr_Format(PyExc_ValueError, "weight must be [Cout, %lld, k, k] with k odd, got %s",
-                     (long long)cin, shape);
-        goto done;
-    }
-    int64_t cout = PyArray_DIM(w, 0), k = PyArray_DIM(w, 2);
-    if (vector_arg(b_obj, cout, "bias", &b) < 0)
-        goto done;
-    npy_intp out_dims[4] = {(npy_intp)batch, (npy_intp)height, (npy_intp)width, (npy_intp)cout};
-    if (y_obj != Py_None) {
-        y_in = as_float32(y_obj, "y");
-        if (y_in == NULL)
-            goto done;
-        if (PyArray_NDIM(y_in) != 4 || PyArray_DIM(y_in, 0) != batch || PyArray_DIM(y_in, 1) != height ||
-            PyArray_DIM(y_in, 2) != width || PyArray_DIM(y_in, 3) != cout) {
-            format_shape(y_in, shape, sizeof shape);
-            PyErr_Format(PyExc_ValueError, "y must be [%lld, %lld, %lld, %lld], got %s",
-                         (long long)batch, (long long)height, (long long)width, (long long)cout,
-                         shape);
-            goto done;
-        }
-        y = (PyArrayObject *)PyArray_NewCopy(y_in, NPY_CORDER);
-    } else {
-        /* beta must not read y when it is 0: NaN-filled output checks that. */
-        y = (PyArrayObject *)PyArray_SimpleNew(4, out_dims, NPY_FLOAT32);
-        if (y != NULL) {
-            float *yd = PyArray_DATA(y);
-            for (npy_intp i = 0; i < PyArray_SIZE(y); i++)
-                yd[i] = beta == 0.0 ? NAN : 0.0f;
-        }
-    }
-    if (y == NULL)
-        goto done;
-    /* PyTorch [Cout, Cin, kh, kw] -> packed [Cout, kh, kw, Cin]. */
-    npy_intp packed_dims[4] = {(npy_intp)cout, (npy_intp)k, (npy_intp)k, (npy_intp)cin};
-    packed = (PyArrayObject *)PyArray_SimpleNew(4, packed_dims, NPY_FLOAT32);
-    if (packed == NULL)
-        goto done;
-    const float *wt = PyArray_DATA(w);
-    float *wp = PyArray_DATA(packed);
-    for (int64_t o = 0; o < cout; o++)
-        for (int64_t i = 0; i < cin; i++)
-            for (int64_t t = 0; t < k * k; t++)
-                wp[(o * k * k + t) * cin + i] = wt[(o * cin + i) * k * k + t];
-    conv2d_args a = {PyArray_DATA(x), wp, data_or_null(b), batch, height, width, cin, cout,
-                     (int)k, naive, (float)beta, PyArray_DATA(y)};
-    result = run_op(num_threads, conv2d_body, &a);
-    if (result != NULL) {
-        Py_DECREF(result);
-        result = (PyObject *)y;
-        y = NULL;
-    }
-done:
-    Py_XDECREF(x);
-    Py_XDECREF(w);
-    Py_XDECREF(b);
-    Py_XDECREF(y_in);
-    Py_XDECREF(y);
-    Py_XDECREF(packed);
-    return result;
-}
-
-typedef struct {
-    const float *x;
-    int64_t batch, height, width, channels;
-    float *y;
-} upsample_args;
-
-static mc_status upsample_body(mc_backend *be, void *p, mc_err *err) {
-    upsample_args *a = p;
-    return be->ops->upsample_nearest2x(be, a->x, a->batch, a->height, a->width, a->channels, a->y,
-                                       err);
-}
-
-/* _op_upsample_nearest2x(x [B, H, W, C], num_threads=0) -> [B, 2H, 2W, C]. */
-static PyObject *op_upsample(PyObject *self, PyObject *args, PyObject *kwds) {
-    (void)self;
-    static char *kwlist[] = {"x", "num_threads", NULL};
-    PyObject *x_obj;
-    int num_threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i:_op_upsample_nearest2x", kwlist, &x_obj,
-                                     &num_threads))
-        return NULL;
-    PyArrayObject *x = as_float32(x_obj, "x");
-    if (x == NULL)
-        return NULL;
-    if (PyArray_NDIM(x) != 4) {
-        char shape[160];
-        format_shape(x, shape, sizeof shape);
-        PyErr_Format(PyExc_ValueError, "x must be [B, H, W, C], got %s", shape);
-        Py_DECREF(x);
-        return NULL;
-    }
-    npy_intp dims[4] = {PyArray_DIM(x, 0), 2 * PyArray_DIM(x, 1), 2 * PyArray_DIM(x, 2),
-                        PyArray_DIM(x, 3)};
-    PyArrayObject *y = (PyArrayObject *)PyArray_SimpleNew(4, dims, NPY_FLOAT32);
-    if (y == NULL) {
-        Py_DECREF(x);
-        return NULL;
-    }
-    upsample_args a = {PyArray_DATA(x), PyArray_DIM(x, 0), PyArray_DIM(x, 1), PyArray_DIM(x, 2),
-                       PyArray_DIM(x, 3), PyArray_DATA(y)};
-    PyObject *ok = run_op(num_threads, upsample_body, &a);
-    Py_DECREF(x);
-    if (ok == NULL) {
-        Py_DECREF(y);
-        return NULL;
-    }
-    Py_DECREF(ok);
-    return (PyObject *)y;
-}
-
 /* _vae_to_uint8(x) -> uint8 array like x: mc_vae_to_uint8 (test hook). */
 static PyObject *op_vae_to_uint8(PyObject *self, PyObject *obj) {
     (void)self;
@@ -605,15 +315,6 @@ static PyObject *op_vae_to_uint8(PyObject *self, PyObject *obj) {
 }
 
 static PyMethodDef vae_module_methods[] = {
-    {"_op_groupnorm", (PyCFunction)(void (*)(void))op_groupnorm, METH_VARARGS | METH_KEYWORDS,
-     "_op_groupnorm(x [B, ..., C], groups, weight=None, bias=None, eps=1e-6, swish=False, "
-     "num_threads=0): the CPU groupnorm op (test hook)."},
-    {"_op_conv2d", (PyCFunction)(void (*)(void))op_conv2d, METH_VARARGS | METH_KEYWORDS,
-     "_op_conv2d(x [B, H, W, Cin], weight [Cout, Cin, k, k], bias=None, y=None, beta=0.0, "
-     "naive=False, num_threads=0): beta * y + conv(x), NHWC (test hook)."},
-    {"_op_upsample_nearest2x", (PyCFunction)(void (*)(void))op_upsample,
-     METH_VARARGS | METH_KEYWORDS,
-     "_op_upsample_nearest2x(x [B, H, W, C], num_threads=0) -> [B, 2H, 2W, C] (test hook)."},
     {"_vae_to_uint8", op_vae_to_uint8, METH_O,
      "_vae_to_uint8(x) -> uint8: round_half_even(clip((x + 1) / 2 * 255, 0, 255)) (test hook)."},
     {NULL, NULL, 0, NULL},

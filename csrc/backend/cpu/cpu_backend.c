@@ -153,28 +153,9 @@ static const mc_ops cpu_ops = {
     .upload = cpu_upload,
     .download = cpu_download,
     .copy = cpu_copy,
-    .gemm = mc_cpu_gemm,
-    .linear = mc_cpu_linear,
-    .layernorm = mc_cpu_layernorm,
-    .activation = mc_cpu_activation,
-    .add_rows = mc_cpu_add_rows,
-    .gated_add = mc_cpu_gated_add,
-    .gather_rows = mc_cpu_gather_rows,
-    .scatter_rows = mc_cpu_scatter_rows,
-    .attention = mc_cpu_attention,
-    .groupnorm = mc_cpu_groupnorm,
-    .conv2d = mc_cpu_conv2d,
-    .upsample_nearest2x = mc_cpu_upsample_nearest2x,
-    .cfg_combine = mc_cpu_cfg_combine,
-    .ddpm_step = mc_cpu_ddpm_step,
-    .token_normals = mc_cpu_token_normals,
-    .axpby = mc_cpu_axpby,
-    .cosine_rows = mc_cpu_cosine_rows,
-    .attention_mass = mc_cpu_attention_mass,
-    .conv2d_ex = mc_cpu_conv2d_ex,
-    .avg_pool2d = mc_cpu_avg_pool2d,
-    .max_pool2d = mc_cpu_max_pool2d,
-    .resize_bilinear_tf1 = mc_cpu_resize_bilinear_tf1,
+    /* every op of the list: mc_cpu_<op> */
+#define MC_OP(name, where, params, args, flops) .name = mc_cpu_##name,
+#include "../ops_list.h"
 };
 
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {

@@ -372,28 +372,15 @@ static mc_ops make_cuda_ops(void) {
     ops.upload = cuda_upload;
     ops.download = cuda_download;
     ops.copy = cuda_copy;
-    ops.gemm = mc_cuda_gemm;
-    ops.linear = mc_cuda_linear;
-    ops.layernorm = mc_cuda_layernorm;
-    ops.activation = mc_cuda_activation;
-    ops.add_rows = mc_cuda_add_rows;
-    ops.gated_add = mc_cuda_gated_add;
-    ops.gather_rows = mc_cuda_gather_rows;
-    ops.scatter_rows = mc_cuda_scatter_rows;
-    ops.attention = mc_cuda_attention;
-    ops.groupnorm = mc_cuda_groupnorm;
-    ops.conv2d = mc_cuda_conv2d;
-    ops.upsample_nearest2x = mc_cuda_upsample_nearest2x;
-    ops.cfg_combine = mc_cuda_cfg_combine;
-    ops.ddpm_step = mc_cuda_ddpm_step;
-    ops.token_normals = mc_cuda_token_normals;
-    ops.axpby = mc_cuda_axpby;
-    ops.cosine_rows = mc_cuda_cosine_rows;
-    ops.attention_mass = mc_cuda_attention_mass;
-    ops.conv2d_ex = mc_cuda_conv2d_ex;
-    ops.avg_pool2d = mc_cuda_avg_pool2d;
-    ops.max_pool2d = mc_cuda_max_pool2d;
-    ops.resize_bilinear_tf1 = mc_cuda_resize_bilinear_tf1;
+    /* The list's ops that run everywhere: mc_cuda_<op>. A CPU_ONLY op stays
+     * empty here and gets the unsupported stand-in below. */
+#define MC_CUDA_ENTRY_ALL(name) ops.name = mc_cuda_##name;
+#define MC_CUDA_ENTRY_CPU_ONLY(name)
+#define MC_OP(name, where, params, args, flops) MC_CUDA_ENTRY_##where(name)
+#include "../ops_list.h"
+#undef MC_CUDA_ENTRY_ALL
+#undef MC_CUDA_ENTRY_CPU_ONLY
+    mc_ops_fill_unsupported(&ops);
     ops.capture_begin = cuda_capture_begin;
     ops.capture_end = cuda_capture_end;
     ops.graph_launch = cuda_graph_launch;

@@ -181,70 +181,13 @@ mc_status mc_cuda_relu_rows(mc_backend *be, float *y, int64_t rows, int64_t cols
 
 /* ---- the op table entries (one file per family) -------------------------- */
 
-mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
-                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
-                       float beta, float *c, int64_t ldc, mc_err *err);
-mc_status mc_cuda_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                         const void *w, const float *bias, int64_t out, mc_act act, float beta,
-                         float *y, int64_t ldy, mc_err *err);
-mc_status mc_cuda_activation(mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows,
-                             int64_t dim, mc_err *err);
-
-mc_status mc_cuda_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
-                            const float *w, const float *b, float eps, const float *shift,
-                            const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err);
-mc_status mc_cuda_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim,
-                           const float *v, int64_t ldv, int64_t period, mc_err *err);
-mc_status mc_cuda_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
-                            const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err);
-mc_status mc_cuda_gather_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
-                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
-mc_status mc_cuda_scatter_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
-                               int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err);
-mc_status mc_cuda_cfg_combine(mc_backend *be, const float *cond, int64_t ldc, const float *uncond,
-                              int64_t ldu, int64_t rows, int channels, float scale, float *out,
-                              int64_t ldo, mc_err *err);
-mc_status mc_cuda_ddpm_step(mc_backend *be, float *x, int64_t rows, int channels, const float *eps,
-                            int64_t ld_eps, const float *v, int64_t ld_v, const float *noise,
-                            const mc_ddpm_coefs *coefs, mc_err *err);
-mc_status mc_cuda_token_normals(mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step,
-                                const uint32_t *image, const uint32_t *position, int64_t rows,
-                                int channels, float *out, mc_err *err);
-mc_status mc_cuda_axpby(mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y,
-                        int64_t ldy, int64_t rows, int64_t cols, mc_err *err);
-mc_status mc_cuda_cosine_rows(mc_backend *be, const float *a, int64_t lda, const float *b,
-                              int64_t ldb, int64_t rows, int heads, int head_dim, float *out,
-                              mc_err *err);
-
-mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
-                            float scale, const float *q, int64_t ldq, int64_t q_bstride,
-                            const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
-                            int64_t o_bstride, mc_err *err);
-mc_status mc_cuda_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int heads,
-                                 int head_dim, float scale, const float *q, int64_t ldq,
-                                 int64_t q_bstride, const float *k, int64_t ldk, int64_t k_bstride,
-                                 int64_t keys, float *out, mc_err *err);
-
-mc_status mc_cuda_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_t hw,
-                            int64_t channels, int groups, const float *w, const float *b, float eps,
-                            int swish, float *y, mc_err *err);
-mc_status mc_cuda_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t height,
-                         int64_t width, int64_t cin, const float *w, const float *bias,
-                         int64_t cout, int ksize, float beta, float *y, mc_err *err);
-mc_status mc_cuda_upsample_nearest2x(mc_backend *be, const float *x, int64_t batch, int64_t height,
-                                     int64_t width, int64_t channels, float *y, mc_err *err);
-mc_status mc_cuda_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
-                            int64_t ldx, const float *w, const float *bias, int64_t cout,
-                            float beta, int relu, float *y, int64_t ldy, mc_err *err);
-
-mc_status mc_cuda_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x,
-                             int64_t channels, int64_t ldx, int count_include_pad, float *y,
-                             int64_t ldy, mc_err *err);
-mc_status mc_cuda_max_pool2d(mc_backend *be, const mc_window2d *g, const float *x,
-                             int64_t channels, int64_t ldx, float *y, int64_t ldy, mc_err *err);
-mc_status mc_cuda_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_type type,
-                                      int64_t batch, int64_t in_h, int64_t in_w, int64_t channels,
-                                      int64_t out_h, int64_t out_w, int normalize, float *y,
-                                      mc_err *err);
+/* mc_cuda_<op> for every op of ops_list.h that runs on every backend
+ * (ALL); a CPU_ONLY op has no CUDA entry point yet. */
+#define MC_CUDA_PROTOTYPE_ALL(name, params) mc_status mc_cuda_##name params;
+#define MC_CUDA_PROTOTYPE_CPU_ONLY(name, params)
+#define MC_OP(name, where, params, args, flops) MC_CUDA_PROTOTYPE_##where(name, params)
+#include "../ops_list.h"
+#undef MC_CUDA_PROTOTYPE_ALL
+#undef MC_CUDA_PROTOTYPE_CPU_ONLY
 
 #endif

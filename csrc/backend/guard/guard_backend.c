@@ -50,6 +50,10 @@ typedef struct guard_state {
     char *snapshot; /* the used range at capture_begin */
     void *deferred_free[32];
     int deferred_count;
+    int64_t flops_at_capture; /* be->dispatched_flops at capture_begin */
+    /* Test hook (MARCACHE_GUARD_UNSUPPORTED): this backend's own copy of
+     * the table with one op made unsupported; be->ops points here then. */
+    mc_ops own_ops;
 } guard_state;
 
 static guard_state *guard_st(mc_backend *be) { return (guard_state *)be->impl; }
@@ -209,6 +213,7 @@ static mc_status guard_capture_begin(mc_backend *be, mc_err *err) {
     gs->capture_failed = 0;
     gs->deferred_count = 0;
     gs->recorded_ops = 0;
+    gs->flops_at_capture = be->dispatched_flops;
     return MC_OK;
 }
 
@@ -217,7 +222,9 @@ static mc_status guard_capture_end(mc_backend *be, void **graph, int keep, mc_er
     gs->capturing = 0;
     mc_status st = MC_OK;
     if (!keep || gs->capture_failed) {
-        /* Nothing may have run: put every buffer back as it was. */
+        /* Nothing may have run: put every buffer back as it was, and take
+         * back the FLOPs of the ops that were recorded. */
+        be->dispatched_flops = gs->flops_at_capture;
         st = snapshot_copy(be, 0, err);
         if (st == MC_OK)
             st = mc_fail(err, MC_ERR_INTERNAL, "guard backend: graph recording discarded");
@@ -244,108 +251,21 @@ static void guard_graph_free(mc_backend *be, void *graph) {
     (void)graph;
 }
 
-/* One wrapper per op: open the range, run the CPU op on the inner backend,
- * close it. `params` is the op's parameter list with `be` first and `err`
- * last; `args` passes them on with the inner backend. */
-#define GUARDED(name, params, args)                          \
-    static mc_status guard_##name params {                    \
-        MC_TRY(guard_open(be, err));                          \
-        mc_backend *inner = guard_st(be)->cpu;                \
-        mc_status st = mc_cpu_##name args;                    \
-        guard_close(be);                                      \
-        return st;                                            \
+/* One wrapper per op of the list: open the range, count the op's FLOPs
+ * (the list's `flops` column), run the CPU op on the inner backend with the
+ * same arguments, close the range. `be` is rebound to the inner backend so
+ * the list's argument names pass the call on unchanged. */
+#define MC_OP(name, where, params, args, flops)          \
+    static mc_status guard_##name params {                \
+        MC_TRY(guard_open(be, err));                      \
+        mc_backend *outer = be;                           \
+        outer->dispatched_flops += (int64_t)(flops);      \
+        be = guard_st(outer)->cpu;                        \
+        mc_status st = mc_cpu_##name args;                \
+        guard_close(outer);                               \
+        return st;                                        \
     }
-
-GUARDED(gemm,
-        (mc_backend *be, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
-         int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc, mc_err *err),
-        (inner, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err))
-GUARDED(linear,
-        (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in, const void *w,
-         const float *bias, int64_t out, mc_act act, float beta, float *y, int64_t ldy, mc_err *err),
-        (inner, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, err))
-GUARDED(layernorm,
-        (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim, const float *w,
-         const float *b, float eps, const float *shift, const float *scale, int64_t ld_mod, float *y,
-         int64_t ldy, mc_err *err),
-        (inner, x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, y, ldy, err))
-GUARDED(activation, (mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows, int64_t dim, mc_err *err),
-        (inner, act, x, ld, rows, dim, err))
-GUARDED(add_rows,
-        (mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim, const float *v, int64_t ldv,
-         int64_t period, mc_err *err),
-        (inner, y, ldy, rows, dim, v, ldv, period, err))
-GUARDED(gated_add,
-        (mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu, const float *gate,
-         int64_t ldg, int64_t rows, int64_t dim, mc_err *err),
-        (inner, y, ldy, u, ldu, gate, ldg, rows, dim, err))
-GUARDED(gather_rows,
-        (mc_backend *be, const float *src, int64_t lds, const int32_t *idx, int64_t rows, int64_t dim,
-         float *dst, int64_t ldd, mc_err *err),
-        (inner, src, lds, idx, rows, dim, dst, ldd, err))
-GUARDED(scatter_rows,
-        (mc_backend *be, const float *src, int64_t lds, const int32_t *idx, int64_t rows, int64_t dim,
-         float *dst, int64_t ldd, mc_err *err),
-        (inner, src, lds, idx, rows, dim, dst, ldd, err))
-GUARDED(attention,
-        (mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim, float scale, const float *q,
-         int64_t ldq, int64_t q_bstride, const mc_kv_segment *segs, int nsegs, float *out, int64_t ldo,
-         int64_t o_bstride, mc_err *err),
-        (inner, batch, nq, heads, head_dim, scale, q, ldq, q_bstride, segs, nsegs, out, ldo, o_bstride,
-         err))
-GUARDED(groupnorm,
-        (mc_backend *be, const float *x, int64_t batch, int64_t hw, int64_t channels, int groups,
-         const float *w, const float *b, float eps, int swish, float *y, mc_err *err),
-        (inner, x, batch, hw, channels, groups, w, b, eps, swish, y, err))
-GUARDED(conv2d,
-        (mc_backend *be, const float *x, int64_t batch, int64_t height, int64_t width, int64_t cin,
-         const float *w, const float *bias, int64_t cout, int ksize, float beta, float *y, mc_err *err),
-        (inner, x, batch, height, width, cin, w, bias, cout, ksize, beta, y, err))
-GUARDED(upsample_nearest2x,
-        (mc_backend *be, const float *x, int64_t batch, int64_t height, int64_t width, int64_t channels,
-         float *y, mc_err *err),
-        (inner, x, batch, height, width, channels, y, err))
-GUARDED(cfg_combine,
-        (mc_backend *be, const float *cond, int64_t ldc, const float *uncond, int64_t ldu, int64_t rows,
-         int channels, float scale, float *out, int64_t ldo, mc_err *err),
-        (inner, cond, ldc, uncond, ldu, rows, channels, scale, out, ldo, err))
-GUARDED(ddpm_step,
-        (mc_backend *be, float *x, int64_t rows, int channels, const float *eps, int64_t ld_eps,
-         const float *v, int64_t ld_v, const float *noise, const mc_ddpm_coefs *coefs, mc_err *err),
-        (inner, x, rows, channels, eps, ld_eps, v, ld_v, noise, coefs, err))
-GUARDED(token_normals,
-        (mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step, const uint32_t *image,
-         const uint32_t *position, int64_t rows, int channels, float *out, mc_err *err),
-        (inner, seed, stream, step, image, position, rows, channels, out, err))
-GUARDED(axpby,
-        (mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y, int64_t ldy,
-         int64_t rows, int64_t cols, mc_err *err),
-        (inner, a, x, ldx, b, y, ldy, rows, cols, err))
-GUARDED(cosine_rows,
-        (mc_backend *be, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t rows,
-         int heads, int head_dim, float *out, mc_err *err),
-        (inner, a, lda, b, ldb, rows, heads, head_dim, out, err))
-GUARDED(attention_mass,
-        (mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim, float scale, const float *q,
-         int64_t ldq, int64_t q_bstride, const float *k, int64_t ldk, int64_t k_bstride, int64_t keys,
-         float *out, mc_err *err),
-        (inner, batch, nq, heads, head_dim, scale, q, ldq, q_bstride, k, ldk, k_bstride, keys, out, err))
-GUARDED(conv2d_ex,
-        (mc_backend *be, const mc_window2d *g, const float *x, int64_t cin, int64_t ldx, const float *w,
-         const float *bias, int64_t cout, float beta, int relu, float *y, int64_t ldy, mc_err *err),
-        (inner, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err))
-GUARDED(avg_pool2d,
-        (mc_backend *be, const mc_window2d *g, const float *x, int64_t channels, int64_t ldx,
-         int count_include_pad, float *y, int64_t ldy, mc_err *err),
-        (inner, g, x, channels, ldx, count_include_pad, y, ldy, err))
-GUARDED(max_pool2d,
-        (mc_backend *be, const mc_window2d *g, const float *x, int64_t channels, int64_t ldx, float *y,
-         int64_t ldy, mc_err *err),
-        (inner, g, x, channels, ldx, y, ldy, err))
-GUARDED(resize_bilinear_tf1,
-        (mc_backend *be, const void *x, mc_pixel_type type, int64_t batch, int64_t in_h, int64_t in_w,
-         int64_t channels, int64_t out_h, int64_t out_w, int normalize, float *y, mc_err *err),
-        (inner, x, type, batch, in_h, in_w, channels, out_h, out_w, normalize, y, err))
+#include "../ops_list.h"
 
 static const mc_ops guard_ops = {
     .name = "guard",
@@ -355,33 +275,34 @@ static const mc_ops guard_ops = {
     .upload = guard_upload,
     .download = guard_download,
     .copy = guard_copy,
-    .gemm = guard_gemm,
-    .linear = guard_linear,
-    .layernorm = guard_layernorm,
-    .activation = guard_activation,
-    .add_rows = guard_add_rows,
-    .gated_add = guard_gated_add,
-    .gather_rows = guard_gather_rows,
-    .scatter_rows = guard_scatter_rows,
-    .attention = guard_attention,
-    .groupnorm = guard_groupnorm,
-    .conv2d = guard_conv2d,
-    .upsample_nearest2x = guard_upsample_nearest2x,
-    .cfg_combine = guard_cfg_combine,
-    .ddpm_step = guard_ddpm_step,
-    .token_normals = guard_token_normals,
-    .axpby = guard_axpby,
-    .cosine_rows = guard_cosine_rows,
-    .attention_mass = guard_attention_mass,
-    .conv2d_ex = guard_conv2d_ex,
-    .avg_pool2d = guard_avg_pool2d,
-    .max_pool2d = guard_max_pool2d,
-    .resize_bilinear_tf1 = guard_resize_bilinear_tf1,
+#define MC_OP(name, where, params, args, flops) .name = guard_##name,
+#include "../ops_list.h"
     .capture_begin = guard_capture_begin,
     .capture_end = guard_capture_end,
     .graph_launch = guard_graph_launch,
     .graph_free = guard_graph_free,
 };
+
+/* MARCACHE_GUARD_UNSUPPORTED=<op> makes that op unsupported on every guard
+ * backend made afterwards, as on a backend the op has not reached yet, so
+ * the tests can drive that path (the error from a model, NotImplementedError
+ * from run_op). An unknown op name is refused. */
+static mc_status without_op_hook(guard_state *gs, const char *op, mc_err *err) {
+    if (op == NULL || op[0] == '\0')
+        return MC_OK;
+    int id = 0;
+    while (id < MC_OP_COUNT && strcmp(mc_op_names[id], op) != 0)
+        id++;
+    if (id == MC_OP_COUNT)
+        return mc_fail(err, MC_ERR_VALUE, "MARCACHE_GUARD_UNSUPPORTED: unknown op '%s'", op);
+    gs->own_ops = guard_ops;
+#define MC_OP(name, where, params, args, flops) \
+    if (id == MC_OP_ID_##name)                   \
+        gs->own_ops.name = NULL;
+#include "../ops_list.h"
+    mc_ops_fill_unsupported(&gs->own_ops);
+    return MC_OK;
+}
 
 mc_status mc_backend_guard_create(mc_backend **out, int num_threads, mc_err *err) {
     *out = NULL;
@@ -409,13 +330,16 @@ mc_status mc_backend_guard_create(mc_backend **out, int num_threads, mc_err *err
     const char *fail_at = getenv("MARCACHE_GUARD_FAIL_RECORDING");
     gs->fail_recording_at = fail_at != NULL ? strtol(fail_at, NULL, 10) : 0;
     mc_status st = mc_backend_cpu_create(&gs->cpu, num_threads, err);
+    if (st == MC_OK)
+        st = without_op_hook(gs, getenv("MARCACHE_GUARD_UNSUPPORTED"), err);
     if (st != MC_OK) {
+        mc_backend_destroy(gs->cpu);
         munmap(base, GUARD_RESERVE_BYTES);
         free(be);
         free(gs);
         return st;
     }
-    be->ops = &guard_ops;
+    be->ops = gs->own_ops.name != NULL ? &gs->own_ops : &guard_ops;
     be->device_index = -1;
     be->impl = gs;
     *out = be;

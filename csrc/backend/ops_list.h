@@ -1,0 +1,253 @@
+/* The op list: every compute op of the backend table (ops.h), written once.
+ *
+ * Each entry is
+ *
+ *   MC_OP(name, where, (parameters), (arguments), flops)
+ *
+ *   name        the mc_ops member, the mc_<backend>_<name> entry points, the
+ *               op id MC_OP_ID_<name> and the name run_op and messages use;
+ *   where       ALL (every backend implements it) or CPU_ONLY (a new op that
+ *               landed on the CPU first: the CPU and guard backends run it,
+ *               the CUDA table leaves it unsupported, and calling it there
+ *               fails with an mc_err naming the op and the backend);
+ *   parameters  the op's parameter list, `mc_backend *be` first and
+ *               `mc_err *err` last; every op returns mc_status;
+ *   arguments   the same names in order, to pass the call on (the guard
+ *               backend's wrappers);
+ *   flops       FLOPs of one call as an int64_t expression of the parameters,
+ *               with the convention of marcache/flops.py and
+ *               csrc/runtime/flops.c (mar.md 13): GEMMs and attention
+ *               matmuls only, 2 FLOPs per multiply-add, norms, softmax and
+ *               elementwise work not counted (0). The guard backend adds it
+ *               up per call (mc_backend.dispatched_flops), so the tests can
+ *               hold the FLOP telemetry to the work actually dispatched.
+ *
+ * Users define MC_OP, include this file, and get it undefined again:
+ *
+ *   #define MC_OP(name, where, params, args, flops) mc_status mc_cpu_##name params;
+ *   #include "ops_list.h"
+ *
+ * The order is the table's and op_names()'s order. All tensors are row-major
+ * float32 in the backend's memory unless said otherwise; "ld" arguments are
+ * row strides in elements. No include guard: it is meant to be included once
+ * per expansion. */
+
+/* C[m,n] = alpha * op(A) op(B) + beta * C; op(X) = X or X^T. */
+MC_OP(gemm, ALL,
+      (mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+       const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+       int64_t ldc, mc_err *err),
+      (be, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err),
+      2 * m * n * k)
+
+/* y = beta * y + act(x W^T + bias). x [rows, in], W [out, in] contiguous
+ * (nn.Linear layout) with elements of be->linear_wtype, bias [out] or
+ * NULL. beta is 0 or 1; with beta = 1 act must be NONE (residual
+ * accumulation). */
+MC_OP(linear, ALL,
+      (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in, const void *w,
+       const float *bias, int64_t out, mc_act act, float beta, float *y, int64_t ldy,
+       mc_err *err),
+      (be, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, err),
+      2 * rows * in * out)
+
+/* y = LN(x) over dim with biased variance and eps; then * w + b when w
+ * (and b) are non-NULL; then * (1 + scale[r]) + shift[r] when shift and
+ * scale (always both) are non-NULL (adaLN, rows of length dim with stride
+ * ld_mod). Statistics in double. y may be x. */
+MC_OP(layernorm, ALL,
+      (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim, const float *w,
+       const float *b, float eps, const float *shift, const float *scale, int64_t ld_mod,
+       float *y, int64_t ldy, mc_err *err),
+      (be, x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, y, ldy, err),
+      0)
+
+/* In place: x = act(x). */
+MC_OP(activation, ALL,
+      (mc_backend *be, mc_act act, float *x, int64_t ld, int64_t rows, int64_t dim, mc_err *err),
+      (be, act, x, ld, rows, dim, err),
+      0)
+
+/* y[r, :] += v[r % period, :]  (positional embeddings, per-step vectors). */
+MC_OP(add_rows, ALL,
+      (mc_backend *be, float *y, int64_t ldy, int64_t rows, int64_t dim, const float *v,
+       int64_t ldv, int64_t period, mc_err *err),
+      (be, y, ldy, rows, dim, v, ldv, period, err),
+      0)
+
+/* y += gate * u, elementwise over [rows, dim] (adaLN gated residual). */
+MC_OP(gated_add, ALL,
+      (mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu, const float *gate,
+       int64_t ldg, int64_t rows, int64_t dim, mc_err *err),
+      (be, y, ldy, u, ldu, gate, ldg, rows, dim, err),
+      0)
+
+/* dst[i, :] = src[idx[i], :] for i < rows (idx in backend memory). */
+MC_OP(gather_rows, ALL,
+      (mc_backend *be, const float *src, int64_t lds, const int32_t *idx, int64_t rows,
+       int64_t dim, float *dst, int64_t ldd, mc_err *err),
+      (be, src, lds, idx, rows, dim, dst, ldd, err),
+      0)
+
+/* dst[idx[i], :] = src[i, :]. */
+MC_OP(scatter_rows, ALL,
+      (mc_backend *be, const float *src, int64_t lds, const int32_t *idx, int64_t rows,
+       int64_t dim, float *dst, int64_t ldd, mc_err *err),
+      (be, src, lds, idx, rows, dim, dst, ldd, err),
+      0)
+
+/* Multi-head attention, no mask: for each batch item b and head h,
+ * out_bh = softmax(scale * q_bh k_bh^T) v_bh with keys/values the
+ * concatenation of the segments. q row i of item b, head h is at
+ * q + b * q_bstride + i * ldq + h * head_dim; out likewise.
+ * With a 16-bit linear_wtype and mc_attention_is_16bit (head_dim a
+ * multiple of 16 up to 128) it runs as autocast's fused attention does:
+ * q, k and v are rounded to the 16-bit type, scores, softmax and sums
+ * are float32, and the probabilities are rounded to the 16-bit type
+ * before they weight v. FLOPs: q k^T and p v, 2 each per query, key and
+ * channel. */
+MC_OP(attention, ALL,
+      (mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim, float scale,
+       const float *q, int64_t ldq, int64_t q_bstride, const mc_kv_segment *segs, int nsegs,
+       float *out, int64_t ldo, int64_t o_bstride, mc_err *err),
+      (be, batch, nq, heads, head_dim, scale, q, ldq, q_bstride, segs, nsegs, out, ldo,
+       o_bstride, err),
+      4 * batch * nq * mc_kv_segment_rows(segs, nsegs) * heads * (int64_t)head_dim)
+
+/* GroupNorm over NHWC [batch, hw, channels] (statistics per image and
+ * group over hw x channels/groups, biased variance), affine, optional
+ * swish afterwards. y may be x. w and b may be NULL (no affine). */
+MC_OP(groupnorm, ALL,
+      (mc_backend *be, const float *x, int64_t batch, int64_t hw, int64_t channels, int groups,
+       const float *w, const float *b, float eps, int swish, float *y, mc_err *err),
+      (be, x, batch, hw, channels, groups, w, b, eps, swish, y, err),
+      0)
+
+/* 2-D convolution, stride 1, zero padding ksize / 2, NHWC in and out.
+ * w is packed [cout, ksize, ksize, cin] (the loader repacks PyTorch's
+ * [cout, cin, kh, kw]); bias [cout] or NULL. y = beta * y + conv(x).
+ * (The VAE's and Inception's convolutions are outside the MAR FLOP
+ * convention: not counted.) */
+MC_OP(conv2d, ALL,
+      (mc_backend *be, const float *x, int64_t batch, int64_t height, int64_t width,
+       int64_t cin, const float *w, const float *bias, int64_t cout, int ksize, float beta,
+       float *y, mc_err *err),
+      (be, x, batch, height, width, cin, w, bias, cout, ksize, beta, y, err),
+      0)
+
+/* Nearest-neighbour x2 upsampling, NHWC [batch, h, w, c] -> [batch, 2h, 2w, c]. */
+MC_OP(upsample_nearest2x, ALL,
+      (mc_backend *be, const float *x, int64_t batch, int64_t height, int64_t width,
+       int64_t channels, float *y, mc_err *err),
+      (be, x, batch, height, width, channels, y, err),
+      0)
+
+/* Classifier-free guidance on eps: out = u + scale * (c - u) for the
+ * first `channels` columns of each row. */
+MC_OP(cfg_combine, ALL,
+      (mc_backend *be, const float *cond, int64_t ldc, const float *uncond, int64_t ldu,
+       int64_t rows, int channels, float scale, float *out, int64_t ldo, mc_err *err),
+      (be, cond, ldc, uncond, ldu, rows, channels, scale, out, ldo, err),
+      0)
+
+/* One DDPM ancestral step with LEARNED_RANGE variance, in place on
+ * x [rows, channels]: eps and v are the first and second `channels`
+ * columns of model output rows (stride ld_out); noise [rows, channels]
+ * may be NULL when coefs->noise_scale == 0. */
+MC_OP(ddpm_step, ALL,
+      (mc_backend *be, float *x, int64_t rows, int channels, const float *eps, int64_t ld_eps,
+       const float *v, int64_t ld_v, const float *noise, const mc_ddpm_coefs *coefs,
+       mc_err *err),
+      (be, x, rows, channels, eps, ld_eps, v, ld_v, noise, coefs, err),
+      0)
+
+/* Philox normals for rows of tokens (see core/philox.h): row i gets the
+ * `channels` normals of (seed, image[i], stream, position[i], step). */
+MC_OP(token_normals, ALL,
+      (mc_backend *be, uint64_t seed, uint32_t stream, uint32_t step, const uint32_t *image,
+       const uint32_t *position, int64_t rows, int channels, float *out, mc_err *err),
+      (be, seed, stream, step, image, position, rows, channels, out, err),
+      0)
+
+/* y = a * x + b * y over [rows, cols] (strided). With b == 0, y is only
+ * written (copies, scaled copies); cache policies use it for deltas. */
+MC_OP(axpby, ALL,
+      (mc_backend *be, float a, const float *x, int64_t ldx, float b, float *y, int64_t ldy,
+       int64_t rows, int64_t cols, mc_err *err),
+      (be, a, x, ldx, b, y, ldy, rows, cols, err),
+      0)
+
+/* out[r] = mean over heads h of cos(a_rh, b_rh), where a_rh is the h-th
+ * head_dim slice of row r; cos = a.b / max(|a| |b|, 1e-8) (PyTorch's
+ * cosine_similarity). LazyMAR ranks tokens by it (row-wise dot products,
+ * not a matmul: not counted). */
+MC_OP(cosine_rows, ALL,
+      (mc_backend *be, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t rows,
+       int heads, int head_dim, float *out, mc_err *err),
+      (be, a, lda, b, ldb, rows, heads, head_dim, out, err),
+      0)
+
+/* Attention mass: for each batch item b, out[b, j] = sum over heads h
+ * and the nq query rows i of softmax_j(scale * q_bhi . k_bhj), over the
+ * `keys` key rows (layouts as in attention). MARche picks the rows that
+ * the tokens being generated attend to most. FLOPs: q k^T only. */
+MC_OP(attention_mass, ALL,
+      (mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim, float scale,
+       const float *q, int64_t ldq, int64_t q_bstride, const float *k, int64_t ldk,
+       int64_t k_bstride, int64_t keys, float *out, mc_err *err),
+      (be, batch, nq, heads, head_dim, scale, q, ldq, q_bstride, k, ldk, k_bstride, keys, out,
+       err),
+      2 * batch * nq * keys * heads * (int64_t)head_dim)
+
+/* ---- FID-Inception ops (eval_and_formats.md 3-4) ---- */
+
+/* General 2-D convolution over NHWC with the geometry of `g` (any
+ * kh x kw, strides, zero padding): y = relu?(beta * y + conv(x) + bias).
+ * x has cin channels at pixel stride ldx; y has cout channels at pixel
+ * stride ldy and size mc_window_out_h/w(g). w is packed
+ * [cout, kh, kw, cin] (mc_bind's MC_BIND_CONV_OHWI); bias [cout] or NULL;
+ * relu non-zero clamps the final sum at 0. beta == 0 never reads y. */
+MC_OP(conv2d_ex, ALL,
+      (mc_backend *be, const mc_window2d *g, const float *x, int64_t cin, int64_t ldx,
+       const float *w, const float *bias, int64_t cout, float beta, int relu, float *y,
+       int64_t ldy, mc_err *err),
+      (be, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err),
+      0)
+
+/* Average pooling over NHWC windows of `g` (pad_h <= kh / 2 and
+ * pad_w <= kw / 2, as PyTorch requires). The divisor is the number of
+ * window taps inside the image when count_include_pad == 0 (TF's
+ * average pool, FID-Inception), else kh * kw. Sums in float, one
+ * division per output. With kh = height, kw = width, no padding it is
+ * the global average pool. */
+MC_OP(avg_pool2d, ALL,
+      (mc_backend *be, const mc_window2d *g, const float *x, int64_t channels, int64_t ldx,
+       int count_include_pad, float *y, int64_t ldy, mc_err *err),
+      (be, g, x, channels, ldx, count_include_pad, y, ldy, err),
+      0)
+
+/* Max pooling over NHWC windows of `g` (same padding rule); padded taps
+ * never win (PyTorch's -inf padding). NaN propagates. */
+MC_OP(max_pool2d, ALL,
+      (mc_backend *be, const mc_window2d *g, const float *x, int64_t channels, int64_t ldx,
+       float *y, int64_t ldy, mc_err *err),
+      (be, g, x, channels, ldx, y, ldy, err),
+      0)
+
+/* TF1 bilinear resize, align_corners = False, half_pixel_centers =
+ * False (torch-fidelity's 'slow' method; eval_and_formats.md 4): x is
+ * contiguous NHWC [batch, in_h, in_w, channels] of float32 or uint8
+ * (converted to float32 first); y [batch, out_h, out_w, channels] float32.
+ * Per axis scale = float32(in / out), src = float32(o) * scale in
+ * float32, lo = floor(src), hi = min(lo + 1, in - 1), d = src - lo;
+ * top = a + (b - a) * dx on rows lo_y and hi_y, y = top + (bottom - top)
+ * * dy, every step rounded to float32 (no fused multiply-add). With
+ * normalize, y = (y - 128) / 128 afterwards (the Inception input scale). */
+MC_OP(resize_bilinear_tf1, ALL,
+      (mc_backend *be, const void *x, mc_pixel_type type, int64_t batch, int64_t in_h,
+       int64_t in_w, int64_t channels, int64_t out_h, int64_t out_w, int normalize, float *y,
+       mc_err *err),
+      (be, x, type, batch, in_h, in_w, channels, out_h, out_w, normalize, y, err),
+      0)
+
+#undef MC_OP

@@ -1,0 +1,231 @@
+/* Build facts and backend probes of marcache._C: build_info(),
+ * sgemm_seconds() (the machine's measured GEMM rate for the benchmarks),
+ * and the test hooks _guard_probe() and _cuda_pool_probe(). */
+#include "py_numpy.h"
+
+#include <time.h>
+
+#include "../backend/cpu/cpu_internal.h"
+#ifdef MC_HAVE_CUDA
+#include "../backend/cuda/cuda_backend.h"
+#endif
+
+#ifndef MC_BLAS_NAME
+#define MC_BLAS_NAME "unknown"
+#endif
+#ifndef MC_BUILD_CFLAGS
+#define MC_BUILD_CFLAGS ""
+#endif
+
+#ifdef MC_HAVE_CUDA
+/* "13.0" from 13000 (cudaRuntimeGetVersion's encoding); None for 0. */
+static PyObject *cuda_version_string(int v) {
+    if (v <= 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat("%d.%d", v / 1000, (v % 1000) / 10);
+}
+#endif
+
+/* The CUDA entries of build_info: whether the backend is built, the
+ * versions of the runtime it links, of the driver and cuBLAS it finds, and
+ * the devices usable now (0 without a driver or device: the device query
+ * never raises). */
+static int add_cuda_info(PyObject *info) {
+#ifdef MC_HAVE_CUDA
+    int count = mc_cuda_device_count();
+    PyObject *names = PyList_New(count);
+    if (names == NULL)
+        return -1;
+    for (int i = 0; i < count; i++) {
+        char name[256];
+        mc_cuda_device_name(i, name, sizeof name);
+        PyObject *s = PyUnicode_FromString(name);
+        if (s == NULL) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyList_SET_ITEM(names, i, s);
+    }
+    int cublas = mc_cuda_cublas_version();
+    PyObject *cublas_s = cublas > 0 ? PyUnicode_FromFormat("%d.%d.%d", cublas / 10000,
+                                                           (cublas / 100) % 100, cublas % 100)
+                                    : (Py_INCREF(Py_None), Py_None);
+    PyObject *entries = Py_BuildValue(
+        "{s:O,s:N,s:N,s:N,s:i,s:N,s:s}", "cuda", Py_True, "cuda_runtime",
+        cuda_version_string(mc_cuda_runtime_version()), "cuda_driver",
+        cuda_version_string(mc_cuda_driver_version()), "cublas", cublas_s, "cuda_devices", count,
+        "cuda_device_names", names, "cuda_archs", MC_CUDA_ARCHS);
+#else
+    PyObject *entries = Py_BuildValue("{s:O,s:O,s:O,s:O,s:i,s:N,s:O}", "cuda", Py_False,
+                                      "cuda_runtime", Py_None, "cuda_driver", Py_None, "cublas",
+                                      Py_None, "cuda_devices", 0, "cuda_device_names",
+                                      PyList_New(0), "cuda_archs", Py_None);
+#endif
+    if (entries == NULL)
+        return -1;
+    int rc = PyDict_Update(info, entries);
+    Py_DECREF(entries);
+    return rc;
+}
+
+static PyObject *build_info(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+#ifdef MC_HAVE_CUDA
+    /* The backends run_op and the models can use now (_C.backends()). */
+    const char *backends = mc_cuda_device_count() > 0 ? "cpu,guard,cuda" : "cpu,guard";
+#else
+    const char *backends = "cpu,guard";
+#endif
+    PyObject *info = Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:i,s:s}", "backends", backends, "blas",
+                                   MC_BLAS_NAME, "blas_config", mc_cpu_blas_config(), "blas_core",
+                                   mc_cpu_blas_core(), "cflags", MC_BUILD_CFLAGS, "openmp",
+                                   _OPENMP, "compiler", __VERSION__);
+    if (info != NULL && add_cuda_info(info) < 0)
+        Py_CLEAR(info);
+    return info;
+}
+
+/* Times the CPU backend's sgemm (C = A B^T, the nn.Linear form) on
+ * uninitialised-free buffers, without Python in the loop: the machine's
+ * measured GEMM rate that benchmarks report achieved FLOP/s against. */
+static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
+    (void)self;
+    long long m, n, k;
+    int reps;
+    if (!PyArg_ParseTuple(args, "LLLi", &m, &n, &k, &reps))
+        return NULL;
+    if (m < 1 || n < 1 || k < 1 || reps < 1 || m > 65536 || n > 65536 || k > 65536)
+        return PyErr_Format(PyExc_ValueError, "sgemm_seconds: sizes must be in 1..65536 and reps >= 1");
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    float *a = mc_aligned_alloc((size_t)(m * k) * sizeof(float));
+    float *b = mc_aligned_alloc((size_t)(n * k) * sizeof(float));
+    float *c = mc_aligned_alloc((size_t)(m * n) * sizeof(float));
+    double best = 0.0;
+    if (a && b && c && mc_backend_cpu_create(&be, 0, &err) == MC_OK) {
+        Py_BEGIN_ALLOW_THREADS
+        for (long long i = 0; i < m * k; i++)
+            a[i] = (float)((i % 17) - 8) * 0.01f;
+        for (long long i = 0; i < n * k; i++)
+            b[i] = (float)((i % 13) - 6) * 0.01f;
+        mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+        for (int r = 0; r < reps; r++) {
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+            if (r == 0 || dt < best)
+                best = dt;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    int failed = !(a && b && c && be);
+    mc_aligned_free(a);
+    mc_aligned_free(b);
+    mc_aligned_free(c);
+    mc_backend_destroy(be);
+    if (failed)
+        return err.status != MC_OK ? mcpy_raise(&err) : PyErr_NoMemory();
+    return PyFloat_FromDouble(best);
+}
+
+#ifdef MC_HAVE_CUDA
+/* _cuda_pool_probe(sizes, rounds) -> reserved bytes after each round (see
+ * mc_cuda_pool_probe); a test hook for the CUDA backend's memory pool. */
+static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    int rounds;
+    if (!PyArg_ParseTuple(args, "Oi", &seq, &rounds))
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "sizes must be a sequence of integers");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    if (rounds < 1 || rounds > 1000 || count > 1000) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "_cuda_pool_probe: 1..1000 rounds of at most 1000 sizes");
+    }
+    size_t *sizes = PyMem_Calloc((size_t)count + 1, sizeof *sizes);
+    uint64_t *reserved = PyMem_Calloc((size_t)rounds, sizeof *reserved);
+    if (sizes == NULL || reserved == NULL) {
+        Py_DECREF(fast);
+        PyMem_Free(sizes);
+        PyMem_Free(reserved);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        sizes[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if (sizes[i] == (size_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            PyMem_Free(sizes);
+            PyMem_Free(reserved);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    mc_err err = {0};
+    mc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = mc_cuda_pool_probe(0, sizes, (int)count, rounds, reserved, &err);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (status != MC_OK) {
+        mcpy_raise(&err);
+    } else if ((result = PyList_New(rounds)) != NULL) {
+        for (int r = 0; r < rounds; r++)
+            PyList_SET_ITEM(result, r, PyLong_FromUnsignedLongLong(reserved[r]));
+    }
+    PyMem_Free(sizes);
+    PyMem_Free(reserved);
+    return result;
+}
+#endif
+
+/* _guard_probe(touch) -> float: a test that the guard backend guards. Stores
+ * 42.0 in a guard buffer and reads it back through download (allowed); with
+ * touch=True it then reads the buffer directly on the host, which must kill
+ * the process with SIGSEGV (the test runs it in a subprocess). */
+static PyObject *guard_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    int touch = 0;
+    if (!PyArg_ParseTuple(args, "p", &touch))
+        return NULL;
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    if (mc_backend_guard_create(&be, 1, &err) != MC_OK)
+        return mcpy_raise(&err);
+    float value = 42.0f, back = 0.0f;
+    float *buffer = be->ops->alloc(be, sizeof value, &err);
+    mc_status st = buffer == NULL ? err.status : MC_OK;
+    if (st == MC_OK)
+        st = be->ops->upload(be, buffer, &value, sizeof value, &err);
+    if (st == MC_OK)
+        st = be->ops->download(be, &back, buffer, sizeof back, &err);
+    if (st == MC_OK && touch)
+        back = *(volatile float *)buffer; /* faults: the range is PROT_NONE here */
+    if (buffer != NULL)
+        be->ops->release(be, buffer);
+    mc_backend_destroy(be);
+    if (st != MC_OK)
+        return mcpy_raise(&err);
+    return PyFloat_FromDouble((double)back);
+}
+
+static PyMethodDef build_methods[] = {
+    {"_guard_probe", guard_probe, METH_VARARGS,
+     "_guard_probe(touch) -> 42.0 read back from a guard buffer; touch=True reads it on the host "
+     "instead, which must fault (tests only)."},
+    {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
+    {"sgemm_seconds", sgemm_seconds, METH_VARARGS,
+     "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},
+#ifdef MC_HAVE_CUDA
+    {"_cuda_pool_probe", cuda_pool_probe, METH_VARARGS,
+     "_cuda_pool_probe(sizes, rounds) -> pool bytes reserved after each round (CUDA test hook)"},
+#endif
+    {NULL, NULL, 0, NULL},
+};
+
+int mcpy_build_init(PyObject *module) { return PyModule_AddFunctions(module, build_methods); }

@@ -1,0 +1,39 @@
+/* Helpers shared by every file of the binding (see py_util.h). */
+#include "py_util.h"
+
+#include <stdio.h>
+
+PyObject *mcpy_raise(const mc_err *err) {
+    PyObject *type;
+    switch (err->status) {
+    case MC_ERR_KEY: type = PyExc_KeyError; break;
+    case MC_ERR_IO: type = PyExc_OSError; break;
+    case MC_ERR_NOT_FOUND: type = PyExc_FileNotFoundError; break;
+    case MC_ERR_NOMEM: type = PyExc_MemoryError; break;
+    case MC_ERR_INTERRUPTED: type = PyExc_KeyboardInterrupt; break;
+    case MC_ERR_NUMERIC: type = PyExc_FloatingPointError; break;
+    case MC_ERR_INTERNAL: type = PyExc_RuntimeError; break;
+    case MC_ERR_VALUE:
+    default: type = PyExc_ValueError; break;
+    }
+    if (err->status == MC_ERR_INTERRUPTED && PyErr_Occurred())
+        return NULL; /* keep the KeyboardInterrupt raised by the signal check */
+    PyErr_SetString(type, err->msg[0] ? err->msg : "marcache: unknown error");
+    return NULL;
+}
+
+int mcpy_cancel_check(void *ctx) {
+    mcpy_cancel_ctx *c = ctx;
+    PyEval_RestoreThread(c->thread_state);
+    int interrupted = PyErr_CheckSignals() < 0;
+    c->thread_state = PyEval_SaveThread();
+    return interrupted;
+}
+
+void mcpy_format_shape(char *buf, size_t size, int ndim, const int64_t *dims) {
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int i = 0; i < ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)dims[i]);
+    if (used < size)
+        snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+}
