@@ -127,3 +127,21 @@ def reference_stats(classifier=None):
     classifier = classifier or Classifier.load()
     data = load_data()
     return Stats.from_features(classifier.features(data["images"][data["train"]]))
+
+
+class ClassifierFeatures:
+    """The digits classifier with the interface `marcache.eval.sweep` expects of its
+    feature network (``feature_dim``; ``features(images, batch_size)`` -> (features,
+    logits)), so the sweep API runs on the digits model without Inception weights:
+    ``sweep(model, ClassifierFeatures(), configs, n, per_class, reference_stats())``
+    reports the digits-FID and the classifier's Inception Score."""
+
+    feature_dim = 64
+
+    def __init__(self, classifier=None):
+        self.classifier = classifier or Classifier.load()
+
+    def features(self, images, batch_size=None):
+        del batch_size  # the classifier is a small NumPy MLP: every image at once
+        features = self.classifier.features(images)
+        return features, features @ self.classifier.w["fc3.weight"].T + self.classifier.w["fc3.bias"]
