@@ -5,8 +5,9 @@ run from the clone's root. Then the tests block's install line verbatim and its
 built extension broke); MARCACHE_SETUP_FULL_SUITE=1 runs the line verbatim (the whole suite).
 
 It builds the extension from scratch and fetches the build dependencies from the package
-index: a few minutes (measured: see the report in the commit that added it). CI runs it;
-set MARCACHE_SKIP_SETUP_TEST=1 to skip it locally.
+index. Measured on the shared 2-core machine (load average 10-17): clone, venv and
+`pip install -e .` about 1 minute; the demo (300 digits) several minutes under that load
+(25 s idle). CI runs it; set MARCACHE_SKIP_SETUP_TEST=1 to skip it locally.
 """
 import os
 import re
@@ -47,6 +48,10 @@ def test_readme_blocks_are_found():
 def run_in_venv(command, clone, venv, timeout):
     env = dict(os.environ, VIRTUAL_ENV=str(venv), PATH=str(venv / "bin") + os.pathsep + os.environ["PATH"],
                MARCACHE_SKIP_SETUP_TEST="1")  # the clone's own run of this file must not recurse
+    # One engine thread unless the caller chose: on a shared, loaded 2-core machine the demo's
+    # OpenMP threads waiting for each other made it 10x slower (see test_notebooks.py).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     for key in ("PYTHONPATH", "PYTHONHOME"):
         env.pop(key, None)
     proc = subprocess.run(["bash", "-c", command], cwd=str(clone), env=env, capture_output=True, text=True,
