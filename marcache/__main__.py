@@ -183,7 +183,12 @@ def _cmd_generate(args):
                                   cfg=args.cfg, cfg_schedule=args.cfg_schedule, temperature=args.temperature,
                                   seed=args.seed, first_index=args.first_index, cache=cache,
                                   progress=_progress(args), return_info=True)
-    scale = args.scale if args.scale is not None else _default_scale(*images.shape[1:3])
+    # Default: a model that decodes its own pixels (the digits MAR, 16 px) is upscaled to at least
+    # 256 px; a VAE's output is the model's resolution (256 px for the released MARs) and is kept.
+    if args.scale is not None:
+        scale = args.scale
+    else:
+        scale = 1 if args.vae else _default_scale(*images.shape[1:3])
     if scale > 1:  # nearest neighbour: every pixel becomes a scale x scale block
         images = np.repeat(np.repeat(images, scale, axis=1), scale, axis=2)
     write_png(args.out, grid(images, columns=args.columns))
@@ -398,8 +403,9 @@ def main(argv=None):
                    help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--scale", type=int, default=None,
-                   help="integer nearest-neighbour upscale of each image (default: the smallest that makes "
-                        "it at least 256 px, 1 for ImageNet-256 models)")
+                   help="integer nearest-neighbour upscale of each image (default: 1 with --vae, whose "
+                        "output is the model's resolution; for models that decode themselves, such as the "
+                        "16 px digits MAR, the smallest that makes it at least 256 px)")
     _add_cache_arguments(g)
     _add_progress_arguments(g)
     g.add_argument("--out", default="grid.png")

@@ -144,6 +144,28 @@ def test_generate_with_a_cache_and_the_default_scale(tmp_path, capsys, digits_mo
     assert not np.array_equal(want, digits_model.generate(labels=[3, 7], steps=STEPS, cfg=2.0))
 
 
+def test_generate_keeps_a_vaes_resolution_by_default(tmp_path, capsys):
+    """With --vae the decoder's output is the model's resolution (256 px for the released
+    MARs): no default upscale. A tiny random MAR and VAE (32 px) stand in for them."""
+    from safetensors.numpy import save_file
+
+    from mar_fixtures import write_tiny_mar
+    from reference import vae as ref_vae
+
+    mar_path, vae_path = tmp_path / "mar.safetensors", tmp_path / "vae.safetensors"
+    write_tiny_mar(mar_path)
+    save_file(dict(ref_vae.random_vae_weights(np.random.default_rng(3), ch=32, ch_mult=(1, 2), num_res_blocks=1)),
+              str(vae_path))
+    out = tmp_path / "v.png"
+    assert main(["generate", "--model", str(mar_path), "--vae", str(vae_path), "--labels", "1", "--steps", "2",
+                 "--quiet", "--out", str(out)]) == 0
+    assert "32x32 px, cache NoCache" in capsys.readouterr().out
+    assert read_png(str(out)).shape == (32 + 4, 32 + 4, 3)
+    assert main(["generate", "--model", str(mar_path), "--vae", str(vae_path), "--labels", "1", "--steps", "2",
+                 "--scale", "8", "--quiet", "--out", str(out)]) == 0
+    assert read_png(str(out)).shape == (256 + 4, 256 + 4, 3)
+
+
 def test_generate_scale_option(tmp_path, capsys):
     out = tmp_path / "g1.png"
     assert main(["generate", "--model", "digits", "--labels", "0", "--steps", "2", "--scale", "1", "--quiet",
