@@ -211,8 +211,12 @@ def _cmd_demo(args):
         policies = [("NoCache", mc.NoCache())]
         if not isinstance(cache, mc.NoCache):
             policies.append((type(cache).__name__, cache))
-    run(out=args.out, per_class=args.per_class, steps=args.steps, cfg=args.cfg, seed=args.seed, threads=args.threads,
-        quiet=args.quiet, policies=policies)
+    rows, reference = run(out=args.out, per_class=args.per_class, steps=args.steps, cfg=args.cfg, seed=args.seed,
+                          threads=args.threads, quiet=args.quiet, policies=policies)
+    if args.quiet:  # the result, without the running commentary
+        from .demo import format_table
+
+        print(format_table(rows, reference))
 
 
 def _cmd_sample(args):

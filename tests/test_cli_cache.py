@@ -244,3 +244,13 @@ def test_unbuilt_source_tree_says_what_to_run(tmp_path):
     assert "pip install -e ." in message and "python setup.py build_ext --inplace" in message
     assert "run Python from another folder" in message
     assert "circular import" not in proc.stderr
+
+
+def test_demo_with_one_policy_and_quiet(tmp_path, capsys):
+    out = tmp_path / "demo.png"
+    assert main(["demo", "--per-class", "1", "--steps", "2", "--cache", "marche", "--cache-opt", "budget=24",
+                 "--quiet", "--out", str(out), "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    # only the table: header, rule, NoCache (the baseline), the chosen policy, the real digits
+    assert [line.split()[0] for line in lines] == ["policy", "-" * len(lines[0]), "NoCache", "MARche", "real"]
+    assert read_png(str(out)).shape[1] > 2 * (48 + 4)  # two labelled panels
