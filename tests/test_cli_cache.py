@@ -235,7 +235,11 @@ def test_unbuilt_source_tree_says_what_to_run(tmp_path):
     shutil.copytree(os.path.join(PACKAGE_ROOT, "marcache"), clone / "marcache",
                     ignore=shutil.ignore_patterns("_C*.so", "__pycache__", "data"))
     (clone / "setup.py").write_text("# a source tree's marker\n")
-    proc = subprocess.run([sys.executable, "-c", "import marcache"], cwd=str(clone), capture_output=True,
+    # An editable install (pip install -e .) maps `marcache` to its own source folder through a
+    # meta-path finder that wins over the working directory: set it aside for this import.
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if '__editable__' not in getattr(f, '__module__', '')]; import marcache")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(clone), capture_output=True,
                           text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()
