@@ -59,3 +59,18 @@ def test_panels_carry_titles_and_row_labels():
         want = demo.text_image(str(c), 2)[:, :6]
         want = want[:, np.nonzero(want.any(axis=0))[0].min():np.nonzero(want.any(axis=0))[0].max() + 1]
         np.testing.assert_array_equal(glyph, want, err_msg=f"row label {c}")
+
+
+def test_auto_progress_shows_only_on_a_terminal(capsys, monkeypatch):
+    from marcache.eval import _Progress
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    bar = _Progress(3, "x", enabled="auto")
+    bar.update(3)
+    bar.close()
+    assert not bar.enabled and capsys.readouterr().err == ""
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    bar = _Progress(3, "x", enabled="auto")
+    bar.update(3)
+    bar.close()
+    assert bar.enabled and "3/3" in capsys.readouterr().err
