@@ -11,7 +11,32 @@ from ._loader import preload_blas as _preload_blas
 
 _preload_blas()
 
-from . import _C  # noqa: E402
+
+def _import_extension():
+    """Imports marcache._C; when it is missing, says why in words (numpy's model): the
+    usual cause is Python importing the unbuilt source folder instead of the installed
+    package, because the working directory is a clone's root."""
+    import glob
+    import importlib
+    import os
+
+    try:
+        return importlib.import_module("._C", __name__)
+    except ImportError as exc:
+        here = os.path.dirname(os.path.abspath(__file__))
+        built = glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd"))
+        source_tree = os.path.exists(os.path.join(os.path.dirname(here), "setup.py"))
+        if built or not source_tree:
+            raise  # a built _C that fails to load (missing library, ...): its own message says why
+        msg = (f"marcache is being imported from its source folder {here}, which has no built extension "
+               f"(marcache._C). Either build it in place, from {os.path.dirname(here)}:\n"
+               f"    pip install -e .          (or: python setup.py build_ext --inplace)\n"
+               f"or run Python from another folder, so that the installed marcache is imported "
+               f"(the current folder comes first on sys.path).")
+        raise ImportError(msg) from exc
+
+
+_C = _import_extension()
 from .caches import LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402

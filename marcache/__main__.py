@@ -1,23 +1,200 @@
-"""Command line: python -m marcache {demo, generate, sample, fid, reference, info, flops, convert}."""
+"""Command line: python -m marcache {demo, generate, sample, fid, reference, info, flops, caches, convert}."""
 import argparse
+import dataclasses
+import json
+import math
 import os
 import sys
 import time
+import typing
+
+# The shipped digits MAR: `--model digits` anywhere a model file is asked for.
+DIGITS_MODEL = "digits"
+
+
+def cache_policies():
+    """CLI name -> cache-policy dataclass. The one place a policy is registered for the
+    command line; its fields (and their defaults) are read from the dataclass itself."""
+    import marcache as mc
+
+    return {"nocache": mc.NoCache, "lazymar": mc.LazyMAR, "marche": mc.MARche}
+
+
+def _field_kind(annotation):
+    """(base type, optional) of a policy field's annotation: bool, int, float, str or tuple."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = typing.get_origin(annotation) is typing.Union and len(args) < len(typing.get_args(annotation))
+    if optional and len(args) == 1:
+        annotation = args[0]
+    if typing.get_origin(annotation) in (tuple, typing.Tuple) or annotation is tuple:
+        return tuple, optional
+    return (annotation if annotation in (bool, int, float, str) else str), optional
+
+
+def _coerce(policy, field, value):
+    """A --cache-opt string (or a JSON value) as the field's type; a clear ValueError otherwise."""
+    base, optional = _field_kind(field.type)
+    where = f"--cache-opt {field.name}={value!r} ({policy} field of type {base.__name__}" \
+            f"{' or none' if optional else ''})"
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    if not isinstance(value, str):  # from a JSON file: already typed
+        if base is tuple and isinstance(value, list):
+            return tuple(value)
+        return value
+    text = value.strip()
+    if base is bool:
+        words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                 "off": False}
+        if text.lower() not in words:
+            raise ValueError(f"{where}: expected true or false")
+        return words[text.lower()]
+    try:
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+        if base is tuple:
+            items = json.loads(text) if text.startswith("[") else [t for t in text.split(",") if t.strip()]
+            return tuple(float(t) for t in items)
+    except ValueError:
+        raise ValueError(f"{where}: not a valid value") from None
+    return text
+
+
+def make_cache(name, options=(), file=None):
+    """The policy object of --cache NAME, --cache-opt KEY=VALUE (repeatable) and
+    --cache-file FILE (a JSON object of fields, optionally with "policy": NAME;
+    --cache-opt wins over the file)."""
+    registry = cache_policies()
+    fields = {}
+    if file is not None:
+        with open(file) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--cache-file {file}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--cache-file {file}: expected a JSON object of policy fields, got "
+                             f"{type(data).__name__}")
+        data = dict(data)
+        named = data.pop("policy", None)
+        if named is not None:
+            if name is not None and named != name:
+                raise ValueError(f"--cache {name} but --cache-file {file} says policy {named!r}")
+            name = named
+        fields.update(data)
+    name = name or "nocache"
+    if name not in registry:
+        raise ValueError(f"unknown cache policy {name!r}; expected one of {', '.join(registry)}")
+    cls = registry[name]
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(f"--cache-opt expects KEY=VALUE, got {option!r}")
+        fields[key.strip().replace("-", "_")] = value
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}; its fields: "
+                         f"{', '.join(known) or '(none)'} (python -m marcache caches)")
+    try:
+        return cls(**{k: _coerce(cls.__name__, known[k], v) for k, v in fields.items()})
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _cache_of(args):
+    return make_cache(args.cache, args.cache_opt or (), args.cache_file)
+
+
+def _add_cache_arguments(parser):
+    parser.add_argument("--cache", default=None, choices=list(cache_policies()),
+                        help="cache policy (default nocache); python -m marcache caches lists them")
+    parser.add_argument("--cache-opt", action="append", metavar="KEY=VALUE",
+                        help="a field of the policy, e.g. --cache-opt period=5 (repeatable)")
+    parser.add_argument("--cache-file", default=None, metavar="JSON",
+                        help="a JSON object of the policy's fields (and optionally \"policy\": NAME)")
+
+
+def _add_progress_arguments(parser):
+    parser.add_argument("--quiet", action="store_true", help="no progress bars and no notes on stderr")
+    parser.add_argument("--progress", action="store_true",
+                        help="progress bars even when stderr is not a terminal (default: only on a terminal)")
+
+
+def _progress(args):
+    """Bars only on a terminal (so logs get no \\r updates), unless --progress; never with --quiet."""
+    if getattr(args, "quiet", False):
+        return False
+    return bool(getattr(args, "progress", False)) or sys.stderr.isatty()
+
+
+def _model_path(path):
+    if path == DIGITS_MODEL:
+        from . import digits
+
+        return digits.MODEL_PATH
+    return path
+
+
+def _default_scale(height, width, target=256):
+    """The smallest integer upscale that makes an image at least `target` pixels on its short side."""
+    return max(1, math.ceil(target / max(1, min(height, width))))
+
+
+def _describe_default(value):
+    if isinstance(value, tuple) and len(value) > 6:
+        return f"({len(value)} values: {value[0]}, {value[1]}, ..., {value[-1]})"
+    return repr(value)
+
+
+def _cmd_caches(args):
+    del args
+    for name, cls in cache_policies().items():
+        doc = (cls.__doc__ or "").strip().splitlines()
+        print(f"{name}: marcache.{cls.__name__}  {doc[0] if doc else ''}")
+        fields = dataclasses.fields(cls)
+        if not fields:
+            print("    (no fields)")
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            base, optional = _field_kind(f.type)
+            kind = base.__name__ + (" or none" if optional else "")
+            print(f"    {f.name:<22} {kind:<14} default {_describe_default(default)}")
+    print("\nuse: --cache NAME --cache-opt FIELD=VALUE ... (or --cache-file policy.json) on generate, sample, "
+          "flops and demo")
 
 
 def _cmd_generate(args):
     import marcache as mc
     from .png import grid, write_png
 
-    model = mc.load(args.model, vae=args.vae, device=args.device, dtype=args.dtype, threads=args.threads)
+    import numpy as np
+
+    cache = _cache_of(args)
+    if args.scale is not None and args.scale < 1:
+        raise ValueError(f"--scale must be >= 1, got {args.scale}")
+    model = mc.load(_model_path(args.model), vae=args.vae, device=args.device, dtype=args.dtype,
+                    threads=args.threads)
     labels = args.labels if args.labels else None
     images, info = model.generate(labels=labels, num_images=None if labels else args.num_images, steps=args.steps,
                                   cfg=args.cfg, cfg_schedule=args.cfg_schedule, temperature=args.temperature,
-                                  seed=args.seed, first_index=args.first_index, progress=not args.quiet,
-                                  return_info=True)
+                                  seed=args.seed, first_index=args.first_index, cache=cache,
+                                  progress=_progress(args), return_info=True)
+    # Default: a model that decodes its own pixels (the digits MAR, 16 px) is upscaled to at least
+    # 256 px; a VAE's output is the model's resolution (256 px for the released MARs) and is kept.
+    if args.scale is not None:
+        scale = args.scale
+    else:
+        scale = 1 if args.vae else _default_scale(*images.shape[1:3])
+    if scale > 1:  # nearest neighbour: every pixel becomes a scale x scale block
+        images = np.repeat(np.repeat(images, scale, axis=1), scale, axis=2)
     write_png(args.out, grid(images, columns=args.columns))
-    print(f"wrote {args.out}: {len(images)} images, {info.seconds:.1f} s "
-          f"({info.seconds / len(images):.2f} s/image, {info.flops / 1e12:.2f} TFLOPs)")
+    print(f"wrote {args.out}: {len(images)} images of {images.shape[2]}x{images.shape[1]} px"
+          f"{f' (upscaled {scale}x)' if scale > 1 else ''}, cache {type(cache).__name__}, {info.seconds:.1f} s "
+          f"({info.seconds / len(images):.2f} s/image, {info.flops / 1e12:.4f} TFLOPs)")
 
 
 def _cmd_demo(args):
@@ -25,7 +202,21 @@ def _cmd_demo(args):
 
     if args.per_class < 1:
         raise ValueError(f"--per-class must be >= 1, got {args.per_class}")
-    run(out=args.out, per_class=args.per_class, steps=args.steps, cfg=args.cfg, seed=args.seed, threads=args.threads)
+    policies = None
+    if args.cache is not None or args.cache_opt or args.cache_file:
+        import marcache as mc
+
+        cache = _cache_of(args)
+        # NoCache is the baseline every other column is measured against
+        policies = [("NoCache", mc.NoCache())]
+        if not isinstance(cache, mc.NoCache):
+            policies.append((type(cache).__name__, cache))
+    rows, reference = run(out=args.out, per_class=args.per_class, steps=args.steps, cfg=args.cfg, seed=args.seed,
+                          threads=args.threads, quiet=args.quiet, policies=policies)
+    if args.quiet:  # the result, without the running commentary
+        from .demo import format_table
+
+        print(format_table(rows, reference))
 
 
 def _cmd_sample(args):
@@ -37,9 +228,11 @@ def _cmd_sample(args):
     if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
         raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
                          f"{args.batch_size}")
-    model = mc.load(args.model, vae=args.vae, device=args.device, dtype=args.dtype, threads=args.threads)
+    cache = _cache_of(args)
+    model = mc.load(_model_path(args.model), vae=args.vae, device=args.device, dtype=args.dtype,
+                    threads=args.threads)
     labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
-    bar = _Progress(args.n, "sample", enabled=not args.quiet)
+    bar = _Progress(args.n, "sample", enabled=_progress(args))
     writer = None
     t0 = time.perf_counter()
     flops = 0.0
@@ -48,7 +241,7 @@ def _cmd_sample(args):
             lab = labels[start:start + args.batch_size]
             images, info = model.generate(labels=lab, steps=args.steps, cfg=args.cfg, cfg_schedule=args.cfg_schedule,
                                           temperature=args.temperature, seed=args.seed, first_index=start,
-                                          return_info=True)
+                                          cache=cache, return_info=True)
             if writer is None:
                 writer = SampleWriter(args.out, args.n, images.shape[1:])
             writer.write(np.asarray(images))
@@ -62,19 +255,25 @@ def _cmd_sample(args):
         bar.close()
     writer.close()
     dt = time.perf_counter() - t0
-    print(f"wrote {args.out}: {args.n} images (arr_0 uint8 NHWC), labels i // {args.per_class}, seed {args.seed}; "
+    print(f"wrote {args.out}: {args.n} images (arr_0 uint8 NHWC), labels i // {args.per_class}, seed {args.seed}, "
+          f"cache {type(cache).__name__}; "
           f"{dt:.1f} s ({dt / args.n:.3f} s/image, {flops / args.n / 1e12:.3f} TFLOPs/image)")
 
 
 def _cmd_fid(args):
     from .eval import InceptionV3, fid, inception_score, iter_npz_images, load_reference, npz_image_count
 
+    if args.reference == DIGITS_MODEL:
+        return _cmd_fid_digits(args)
+    if args.inception is None:
+        raise ValueError("--inception is required (the FID-Inception .safetensors) unless the reference is "
+                         "'digits' (the shipped digits classifier and training digits)")
     inception = InceptionV3.load(args.inception, threads=args.threads, device=args.device)
     if not inception.standard:
         print("warning: this Inception is not the standard FID network (its widths differ); "
               "numbers are not comparable with published FIDs", file=sys.stderr)
-    reference = load_reference(args.reference, inception, args.batch_size, progress=not args.quiet)
-    stats, logits = inception.stats(iter_npz_images(args.samples, args.batch_size), progress=not args.quiet,
+    reference = load_reference(args.reference, inception, args.batch_size, progress=_progress(args))
+    stats, logits = inception.stats(iter_npz_images(args.samples, args.batch_size), progress=_progress(args),
                                     total=npz_image_count(args.samples))
     value = fid(stats, reference, method=args.method)
     isc = inception_score(logits, splits=min(args.splits, len(logits)), protocol=args.is_protocol)
@@ -84,11 +283,27 @@ def _cmd_fid(args):
     print(f"IS:  {isc.mean:.4f} +- {isc.std:.4f} ({isc.splits} splits, {args.is_protocol})")
 
 
+def _cmd_fid_digits(args):
+    """fid SAMPLES digits: the digits-FID (the shipped classifier's 64-d features against the
+    1,500 training digits) and the classifier's Inception Score, for samples of the digits model."""
+    from . import digits
+    from .eval import fid, inception_score, iter_npz_images
+
+    stats, logits = digits.sample_stats(iter_npz_images(args.samples, args.batch_size))
+    value = fid(stats, digits.reference_stats(), method=args.method)
+    isc = inception_score(logits, splits=min(args.splits, len(logits)), protocol=args.is_protocol)
+    print(f"samples:   {args.samples} ({stats.n} images)")
+    print("reference: the 1,500 training digits (features of the shipped digits classifier)")
+    print(f"digits-FID: {value:.4f}")
+    print(f"IS:  {isc.mean:.4f} +- {isc.std:.4f} ({isc.splits} splits, {args.is_protocol}; "
+          f"the digits classifier's 10 classes)")
+
+
 def _cmd_reference(args):
     from .eval import InceptionV3, make_reference
 
     inception = InceptionV3.load(args.inception, threads=args.threads, device=args.device)
-    stats = make_reference(args.source, args.out, inception, batch_size=args.batch_size, progress=not args.quiet)
+    stats = make_reference(args.source, args.out, inception, batch_size=args.batch_size, progress=_progress(args))
     print(f"wrote {args.out}: mu [{stats.dim}], sigma [{stats.dim}, {stats.dim}] over {stats.n} images")
 
 
@@ -108,8 +323,14 @@ def _cmd_info(args):
 def _cmd_flops(args):
     import marcache as mc
 
-    rep = mc.flops(args.model, steps=args.steps, cfg=args.cfg, batch=1)
-    print(f"{args.model}, {args.steps} steps, cfg {args.cfg}: {rep.total / 1e12:.3f} TFLOPs per image "
+    cache = _cache_of(args)
+    if args.model in mc.MAR_CONFIGS:
+        target = args.model
+    else:  # a model file (or `digits`): its configuration is read back from the file
+        target = mc.load(_model_path(args.model))
+    rep = mc.flops(target, steps=args.steps, cfg=args.cfg, cache=cache, batch=1)
+    print(f"{args.model}, {args.steps} steps, cfg {args.cfg}, cache {type(cache).__name__}: "
+          f"{rep.total / 1e12:.4f} TFLOPs per image "
           f"(encoder {rep.encoder / 1e12:.3f}, decoder {rep.decoder / 1e12:.3f}, head {rep.head / 1e12:.3f})")
 
 
@@ -118,7 +339,7 @@ def _cmd_convert(args):
 
     t0 = time.perf_counter()
     plan = conv.convert(args.kind, args.src, args.out, dtype=args.dtype, weights=args.weights, heads=args.heads,
-                        progress=not args.quiet)
+                        progress=_progress(args))
     seconds = time.perf_counter() - t0
     size = os.path.getsize(args.out)
     for note in plan.notes:
@@ -163,12 +384,15 @@ def main(argv=None):
     m.add_argument("--cfg", type=float, default=digits.CFG)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--threads", type=int, default=0)
+    m.add_argument("--quiet", action="store_true", help="print only the table")
+    _add_cache_arguments(m)
     m.set_defaults(func=_cmd_demo)
 
     g = sub.add_parser("generate", help="generate a PNG grid of class-conditional images")
-    g.add_argument("--model", required=True, help="MAR .safetensors (converted official checkpoint)")
+    g.add_argument("--model", required=True, help="MAR .safetensors (converted official checkpoint), or 'digits' "
+                                                  "for the shipped digits MAR")
     g.add_argument("--vae", default=None, help="KL-16 VAE .safetensors (not for pixel-token models such as "
-                                               "marcache/data/digits_mar.safetensors)")
+                                               "the digits MAR, which decode themselves)")
     g.add_argument("--labels", type=int, nargs="*", default=[], help="ImageNet class indices (none: unconditional)")
     g.add_argument("--num-images", type=int, default=4, help="images for unconditional generation")
     g.add_argument("--steps", type=int, default=64)
@@ -182,13 +406,19 @@ def main(argv=None):
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
     g.add_argument("--threads", type=int, default=0)
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--scale", type=int, default=None,
+                   help="integer nearest-neighbour upscale of each image (default: 1 with --vae, whose "
+                        "output is the model's resolution; for models that decode themselves, such as the "
+                        "16 px digits MAR, the smallest that makes it at least 256 px)")
+    _add_cache_arguments(g)
+    _add_progress_arguments(g)
     g.add_argument("--out", default="grid.png")
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("sample", help="generate an ADM sample batch (.npz, arr_0 uint8 NHWC) for FID")
-    s.add_argument("--model", required=True, help="MAR .safetensors")
-    s.add_argument("--vae", required=True, help="KL-16 VAE .safetensors")
+    s.add_argument("--model", required=True, help="MAR .safetensors, or 'digits' for the shipped digits MAR")
+    s.add_argument("--vae", default=None, help="KL-16 VAE .safetensors (not needed by models that decode "
+                                               "themselves, such as the digits MAR)")
     s.add_argument("--n", type=int, default=50000, help="number of images (50000 for paper numbers)")
     s.add_argument("--per-class", type=int, default=50, help="image i has class i // per_class")
     s.add_argument("--steps", type=int, default=64)
@@ -201,14 +431,17 @@ def main(argv=None):
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
     s.add_argument("--threads", type=int, default=0)
-    s.add_argument("--quiet", action="store_true")
+    _add_cache_arguments(s)
+    _add_progress_arguments(s)
     s.add_argument("--out", default="samples.npz")
     s.set_defaults(func=_cmd_sample)
 
     d = sub.add_parser("fid", help="FID and IS of a sample batch against reference statistics")
     d.add_argument("samples", help="sample batch .npz (arr_0 uint8 NHWC)")
-    d.add_argument("reference", help="reference .npz: mu/sigma (adm_in256_stats.npz, ADM reference batch) or arr_0")
-    d.add_argument("--inception", required=True, help="FID-Inception .safetensors (pytorch-fid key names)")
+    d.add_argument("reference", help="reference .npz: mu/sigma (adm_in256_stats.npz, ADM reference batch) or arr_0; "
+                                     "or 'digits' (samples of the digits MAR: the shipped classifier's features "
+                                     "against the training digits, no --inception needed)")
+    d.add_argument("--inception", default=None, help="FID-Inception .safetensors (pytorch-fid key names)")
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--method", default="auto", choices=["auto", "sqrtm", "eigvals", "symmetric"],
                    help="Tr sqrt(S1 S2): sqrtm = ADM evaluator (SciPy), eigvals = torch-fidelity, "
@@ -217,7 +450,7 @@ def main(argv=None):
     d.add_argument("--splits", type=int, default=10)
     d.add_argument("--threads", type=int, default=0)
     d.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
-    d.add_argument("--quiet", action="store_true")
+    _add_progress_arguments(d)
     d.set_defaults(func=_cmd_fid)
 
     r = sub.add_parser("reference", help="reference statistics (mu, sigma) of an image folder or .npz")
@@ -227,7 +460,7 @@ def main(argv=None):
     r.add_argument("--batch-size", type=int, default=64)
     r.add_argument("--threads", type=int, default=0)
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
-    r.add_argument("--quiet", action="store_true")
+    _add_progress_arguments(r)
     r.set_defaults(func=_cmd_reference)
 
     i = sub.add_parser("info", help="build facts, or the config of a model file")
@@ -235,9 +468,10 @@ def main(argv=None):
     i.set_defaults(func=_cmd_info)
 
     f = sub.add_parser("flops", help="FLOPs of a run without running it")
-    f.add_argument("model", choices=["mar_base", "mar_large", "mar_huge"])
+    f.add_argument("model", help="mar_base, mar_large, mar_huge, a MAR .safetensors file, or 'digits'")
     f.add_argument("--steps", type=int, default=64)
     f.add_argument("--cfg", type=float, default=1.0)
+    _add_cache_arguments(f)
     f.set_defaults(func=_cmd_flops)
 
     c = sub.add_parser("convert", help="convert an official PyTorch checkpoint to safetensors (no PyTorch needed)",
@@ -253,10 +487,17 @@ def main(argv=None):
                    help="mar only: the EMA weights used for evaluation (default) or the raw weights")
     c.add_argument("--heads", type=int, default=None,
                    help="mar only: attention heads, for widths other than the released 768/1024/1280")
-    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_progress_arguments(c)
     c.set_defaults(func=_cmd_convert)
 
-    args = parser.parse_args(argv)
+    k = sub.add_parser("caches", help="the cache policies and their fields with defaults")
+    k.set_defaults(func=_cmd_caches)
+
+    # A mistyped option of a command (generate --stpes 8) is reported with that command's
+    # usage, not the top level's (argparse's default, since subparsers pass unknown options up).
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub.choices[args.command].error("unrecognized arguments: " + " ".join(unknown))
     t0 = time.perf_counter()
     try:
         args.func(args)

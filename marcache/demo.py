@@ -3,7 +3,8 @@
 Generates ``per_class`` digits of every class with each policy (the same labels and seeds),
 prints a table (seconds per image, speedup over NoCache, class accuracy of the shipped
 classifier, digits-FID against the training digits, pixel fidelity to NoCache) and writes
-one PNG with a panel per policy (left to right in table order; one row per class 0..9).
+one PNG with a panel per policy (left to right in table order, titled with the policy and its
+seconds per image; one row per class 0..9, labelled on the left).
 """
 import time
 
@@ -66,8 +67,50 @@ def format_table(rows, reference=None):
     return "\n".join(lines)
 
 
-def panels(rows, per_class, scale=3, gap=12):
-    """One grid per policy (a row per class), side by side, on white."""
+# A 3x5 pixel font (capitals, digits, a little punctuation) so that the demo picture can
+# label its panels and rows with the pure-NumPy PNG writer, without Pillow or matplotlib.
+_FONT = {
+    "A": ".x.x.xxxxx.xx.x", "B": "xx.x.xxx.x.xxx.", "C": ".xxx..x..x...xx", "D": "xx.x.xx.xx.xxx.",
+    "E": "xxxx..xx.x..xxx", "F": "xxxx..xx.x..x..", "G": ".xxx..x.xx.x.xx", "H": "x.xx.xxxxx.xx.x",
+    "I": "xxx.x..x..x.xxx", "J": "..x..x..xx.x.x.", "K": "x.xx.xxx.x.xx.x", "L": "x..x..x..x..xxx",
+    "M": "x.xxxxxxxx.xx.x", "N": "xx.x.xx.xx.xx.x", "O": ".x.x.xx.xx.x.x.", "P": "xx.x.xxx.x..x..",
+    "Q": ".x.x.xx.xxxx.xx", "R": "xx.x.xxx.x.xx.x", "S": ".xxx...x...xxx.", "T": "xxx.x..x..x..x.",
+    "U": "x.xx.xx.xx.xxxx", "V": "x.xx.xx.xx.x.x.", "W": "x.xx.xxxxxxxx.x", "X": "x.xx.x.x.x.xx.x",
+    "Y": "x.xx.x.x..x..x.", "Z": "xxx..x.x.x..xxx",
+    "0": "xxxx.xx.xx.xxxx", "1": ".x.xx..x..x.xxx", "2": "xx...x.x.x..xxx", "3": "xx...x.x...xxx.",
+    "4": "x.xx.xxxx..x..x", "5": "xxxx..xx...xxx.", "6": ".xxx..xxxx.xxxx", "7": "xxx..x.x..x..x.",
+    "8": "xxxx.xxxxx.xxxx", "9": "xxxx.xxxx..xxx.",
+    ".": "............x..", "/": "..x..x.x.x..x..", "-": "......xxx......", ":": "....x.....x....",
+    "+": "....x.xxx.x....", " ": "...............",
+}
+
+
+def text_image(text, scale=2):
+    """uint8 [5*scale, 4*scale*len(text)] mask (1 = ink) of `text` in capitals."""
+    glyphs = []
+    for ch in text.upper():
+        bits = _FONT.get(ch, _FONT[" "])
+        glyph = np.array([c == "x" for c in bits], np.uint8).reshape(5, 3)
+        glyphs.append(np.concatenate([glyph, np.zeros((5, 1), np.uint8)], axis=1))  # 1 column of spacing
+    mask = np.concatenate(glyphs, axis=1) if glyphs else np.zeros((5, 0), np.uint8)
+    return np.repeat(np.repeat(mask, scale, axis=0), scale, axis=1)
+
+
+def _draw(canvas, text, top, left, width, scale=2):
+    """Draws `text` centred in [left, left + width) at row `top`, shrinking to scale 1 if it
+    does not fit (narrow panels at --per-class 1 or 2)."""
+    mask = text_image(text, scale)
+    if mask.shape[1] > width and scale > 1:
+        mask = text_image(text, 1)
+    mask = mask[:, :width]
+    x = left + (width - mask.shape[1]) // 2
+    region = canvas[top:top + mask.shape[0], x:x + mask.shape[1]]
+    region[mask.astype(bool)] = 0
+
+
+def panels(rows, per_class, scale=3, gap=12, labels=True):
+    """One grid per policy (a row per class), side by side, on white. With labels: a title
+    band above each panel (policy, seconds per image) and the class of each row on the left."""
     tiles = []
     for r in rows:
         big = np.repeat(np.repeat(r["images"], scale, axis=1), scale, axis=2)
@@ -79,7 +122,21 @@ def panels(rows, per_class, scale=3, gap=12):
             out.append(np.full((height, gap, 3), 255, np.uint8))
         pad = np.full((height - t.shape[0], t.shape[1], 3), 255, np.uint8)
         out.append(np.concatenate([t, pad], axis=0))
-    return np.concatenate(out, axis=1)
+    body = np.concatenate(out, axis=1)
+    if not labels:
+        return body
+    tile = rows[0]["images"].shape[1] * scale  # one digit's side in pixels
+    margin, band = 14, 2 * (5 * 2 + 4) + 4     # row-label column; two lines of scale-2 text
+    canvas = np.full((band + body.shape[0], margin + body.shape[1], 3), 255, np.uint8)
+    canvas[band:, margin:] = body
+    left = margin
+    for r, t in zip(rows, tiles):
+        _draw(canvas, r["policy"], 2, left, t.shape[1])
+        _draw(canvas, f"{r['seconds_per_image']:.3f} s/image", 2 + 14, left, t.shape[1])
+        left += t.shape[1] + gap
+    for c in range(tiles[0].shape[0] // (tile + 2)):
+        _draw(canvas, str(c), band + 2 + c * (tile + 2) + (tile - 10) // 2, 0, margin)
+    return canvas
 
 
 def run(out="demo.png", per_class=10, steps=digits.STEPS, cfg=digits.CFG, seed=0, threads=0, quiet=False,
@@ -108,6 +165,7 @@ def run(out="demo.png", per_class=10, steps=digits.STEPS, cfg=digits.CFG, seed=0
         f"class acc: the classifier's agreement with the requested label.")
     if out:
         write_png(out, panels(rows, per_class))
-        say(f"wrote {out}: panels left to right {', '.join(r['policy'] for r in rows)}; one row per class 0-9")
+        say(f"wrote {out}: panels left to right {', '.join(r['policy'] for r in rows)} (titled with s/image); "
+            f"one row per class 0-9 (labelled on the left)")
     say(f"total {time.perf_counter() - t_start:.1f} s")
     return rows, reference

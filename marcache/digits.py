@@ -100,3 +100,48 @@ def fid(features_a, features_b):
 def class_labels(per_class):
     """0..9 each repeated per_class times, class-major."""
     return np.repeat(np.arange(10, dtype=np.int32), int(per_class))
+
+
+def sample_stats(batches, classifier=None):
+    """(Stats of the classifier's 64-d features, logits float64 [N, 10]) of digit images given
+    as an iterable of uint8 batches [n, 16, 16, C] (e.g. eval.iter_npz_images of a sample file):
+    the sample side of the digits-FID and of its Inception Score."""
+    from .eval import Stats
+
+    classifier = classifier or Classifier.load()
+    stats, logits = Stats(64), []
+    for batch in batches:
+        features = classifier.features(batch)
+        stats.update(features)
+        logits.append(features @ classifier.w["fc3.weight"].T + classifier.w["fc3.bias"])
+    if not logits:
+        raise ValueError("no images to score")
+    return stats, np.concatenate(logits)
+
+
+def reference_stats(classifier=None):
+    """Stats of the classifier's features of the 1,500 training digits: the reference side of
+    the digits-FID (the demo's and ``python -m marcache fid SAMPLES digits``)."""
+    from .eval import Stats
+
+    classifier = classifier or Classifier.load()
+    data = load_data()
+    return Stats.from_features(classifier.features(data["images"][data["train"]]))
+
+
+class ClassifierFeatures:
+    """The digits classifier with the interface `marcache.eval.sweep` expects of its
+    feature network (``feature_dim``; ``features(images, batch_size)`` -> (features,
+    logits)), so the sweep API runs on the digits model without Inception weights:
+    ``sweep(model, ClassifierFeatures(), configs, n, per_class, reference_stats())``
+    reports the digits-FID and the classifier's Inception Score."""
+
+    feature_dim = 64
+
+    def __init__(self, classifier=None):
+        self.classifier = classifier or Classifier.load()
+
+    def features(self, images, batch_size=None):
+        del batch_size  # the classifier is a small NumPy MLP: every image at once
+        features = self.classifier.features(images)
+        return features, features @ self.classifier.w["fc3.weight"].T + self.classifier.w["fc3.bias"]

@@ -49,10 +49,15 @@ DEFAULT_BATCH = 64  # torch-fidelity's and ADM's feature batch size
 # --------------------------------------------------------------------------
 
 class _Progress:
-    """tqdm when installed, else a plain line rewritten on stderr."""
+    """tqdm (a dependency; a plain line rewritten on stderr if it is missing anyway).
+
+    enabled: True, False, or "auto": only when stderr is a terminal, so that logs and
+    captured output get no carriage-return updates."""
 
     def __init__(self, total, desc, unit="img", enabled=True):
-        self.bar, self.total, self.desc, self.n, self.enabled = None, total, desc, 0, enabled
+        if enabled == "auto":
+            enabled = sys.stderr.isatty()
+        self.bar, self.total, self.desc, self.n, self.enabled = None, total, desc, 0, bool(enabled)
         self.t0 = time.perf_counter()
         if not enabled:
             return
