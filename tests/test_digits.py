@@ -161,5 +161,7 @@ def test_demo_cli_writes_png_and_table(tmp_path):
         assert word in proc.stdout, word
     img = read_png(str(out))
     # three panels of 10 rows x 2 columns of 48-pixel digits
-    assert img.shape[0] == 10 * 48 + 11 * 2 and img.shape[2] == 3
-    assert img.shape[1] == 3 * (2 * 48 + 3 * 2) + 2 * 12
+    # 10 rows of 48 px digits with 2 px gaps, plus a 32 px band for the panel titles;
+    # 3 panels, plus a 14 px margin for the row (class) labels (demo.panels, labels=True)
+    assert img.shape[0] == 10 * 48 + 11 * 2 + 32 and img.shape[2] == 3
+    assert img.shape[1] == 3 * (2 * 48 + 3 * 2) + 2 * 12 + 14
