@@ -6,10 +6,13 @@
 #include "marche.h"
 #include "mar_policy.h"
 
+extern const mc_mar_policy_ops mc_cfgfree_policy;
+
 const mc_mar_policy_ops *const mc_mar_policies[] = {
     &mc_nocache_policy,
     &mc_lazymar_policy,
     &mc_marche_policy,
+    &mc_cfgfree_policy,
     NULL,
 };
 

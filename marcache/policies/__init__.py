@@ -12,6 +12,10 @@ from .nocache import NoCache
 
 POLICIES = (NoCache, LazyMAR, MARche)
 
+from .cfgfree import CfgFreeLate  # noqa: E402  (composes the policies above)
+
+POLICIES += (CfgFreeLate,)
+
 
 def resolve(cache, family="mar"):
     """The validated policy a model of `family` runs (None means NoCache)."""
@@ -26,4 +30,4 @@ def resolve(cache, family="mar"):
     raise TypeError(f"cache must be None or one of {names}, got {cache!r}")
 
 
-__all__ = ["NoCache", "LazyMAR", "MARche", "RETENTION_64", "POLICIES", "resolve"]
+__all__ = ["NoCache", "LazyMAR", "MARche", "CfgFreeLate", "RETENTION_64", "POLICIES", "resolve"]
