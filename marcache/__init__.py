@@ -37,7 +37,7 @@ def _import_extension():
 
 
 _C = _import_extension()
-from .caches import LazyMAR, MARche, NoCache  # noqa: E402
+from .policies import CfgFreeLate, LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402
 from . import convert  # noqa: E402  (marcache.convert.convert / read_checkpoint: no PyTorch needed)
@@ -51,5 +51,5 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["load", "file_kind", "convert", "digits", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "flops",
+__all__ = ["load", "file_kind", "convert", "digits", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "CfgFreeLate", "flops",
            "MAR_CONFIGS", "build_info", "__version__"]

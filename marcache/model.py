@@ -7,7 +7,8 @@ from typing import List, Optional
 import numpy as np
 
 from . import _C
-from .caches import resolve as _resolve_cache
+from . import _driver
+from .policies import resolve as _resolve_cache
 
 
 def _check_path(path, what):
@@ -202,33 +203,13 @@ class MARModel:
         if not isinstance(first_index, (int, np.integer)) or not 0 <= first_index or \
                 first_index + label_arr.size > 2**32:
             raise ValueError(f"first_index must be an integer >= 0 with first_index + N <= 2**32, got {first_index!r}")
-        cache = _resolve_cache(cache)
+        cache = _resolve_cache(cache, family="mar")
+        cache.check_model(self._mar.config)
         rows = self._mar.config["buffer_size"] + self._mar.config["seq_len"]
-        cache_dict = cache.as_dict(rows=rows) if hasattr(cache, "as_dict") else None
-        depth = self._mar.config["decoder_depth"]
-        if cache.name == "lazymar" and cache.token_cache and cache.select_layer >= depth:
-            raise ValueError(f"LazyMAR.select_layer={cache.select_layer} but the decoder has {depth} layers")
-        if cache.name == "marche" and cache.full_layers > depth:
-            raise ValueError(f"MARche.full_layers={cache.full_layers} but the decoder has {depth} layers")
-        bar = None
-        callback = None
-        if progress:
-            try:
-                from tqdm.auto import tqdm
-                bar = tqdm(total=int(steps), desc="MAR", unit="step")
-                callback = lambda info: bar.update(1)  # noqa: E731
-            except ImportError:
-                bar = None
-        t0 = time.perf_counter()
-        try:
-            tokens, step_infos = self._mar.generate(label_arr, steps=int(steps), cfg=float(cfg),
-                                                    cfg_schedule=cfg_schedule, temperature=float(temperature),
-                                                    seed=int(seed), first_index=int(first_index), callback=callback,
-                                                    cache=cache_dict, trace_rows=bool(trace_rows))
-        finally:
-            if bar is not None:
-                bar.close()
-        seconds = time.perf_counter() - t0
+        tokens, step_infos, seconds = _driver.run(
+            self._mar.generate, steps, progress, desc="MAR", labels=label_arr, steps=int(steps), cfg=float(cfg),
+            cfg_schedule=cfg_schedule, temperature=float(temperature), seed=int(seed), first_index=int(first_index),
+            cache=cache.as_dict(rows=rows), trace_rows=bool(trace_rows))
         if return_info:
             info = GenerationInfo(steps=step_infos, tokens=tokens, seconds_transformer_and_head=seconds,
                                   seconds_decode=0.0, flops=float(sum(s["flops"] for s in step_infos)))

@@ -18,39 +18,39 @@ enum {
 };
 enum { WSI_A, WSI_B, WSI_C };
 
-float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err) {
-    mc_mar_workspace *ws = &mar->ws;
-    if (ws->slot_floats[slot] < floats) {
+/* Slot `slot` of `n_slots` grown to `count` elements of `elem` bytes
+ * (grow-only: a smaller request returns the buffer as it is). */
+static void *grow_slot(mc_mar *mar, void **slots, size_t *counts, int n_slots, int slot, size_t count, size_t elem,
+                       mc_err *err) {
+    if (slot < 0 || slot >= n_slots) {
+        mc_fail(err, MC_ERR_INTERNAL, "workspace slot %d outside 0..%d", slot, n_slots - 1);
+        return NULL;
+    }
+    if (counts[slot] < count) {
         mc_backend *be = mar->backend;
         size_t bytes;
-        if (mc_mul_overflows(floats, sizeof(float), &bytes)) {
-            mc_fail(err, MC_ERR_NOMEM, "workspace request of %zu floats overflows", floats);
+        if (mc_mul_overflows(count, elem, &bytes)) {
+            mc_fail(err, MC_ERR_NOMEM, "workspace request of %zu elements overflows", count);
             return NULL;
         }
-        float *fresh = be->ops->alloc(be, bytes, err);
+        void *fresh = be->ops->alloc(be, bytes, err);
         if (fresh == NULL)
             return NULL;
-        if (ws->slots[slot] != NULL)
-            be->ops->release(be, ws->slots[slot]);
-        ws->slots[slot] = fresh;
-        ws->slot_floats[slot] = floats;
+        if (slots[slot] != NULL)
+            be->ops->release(be, slots[slot]);
+        slots[slot] = fresh;
+        counts[slot] = count;
     }
-    return ws->slots[slot];
+    return slots[slot];
+}
+
+float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err) {
+    return grow_slot(mar, mar->ws.slots, mar->ws.slot_floats, MC_MAR_WS_SLOTS, slot, floats, sizeof(float), err);
 }
 
 int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err) {
-    mc_mar_workspace *ws = &mar->ws;
-    if (ws->index_slot_count[slot] < count) {
-        mc_backend *be = mar->backend;
-        int32_t *fresh = be->ops->alloc(be, count * sizeof(int32_t), err);
-        if (fresh == NULL)
-            return NULL;
-        if (ws->index_slots[slot] != NULL)
-            be->ops->release(be, ws->index_slots[slot]);
-        ws->index_slots[slot] = fresh;
-        ws->index_slot_count[slot] = count;
-    }
-    return ws->index_slots[slot];
+    return grow_slot(mar, mar->ws.index_slots, mar->ws.index_slot_count, MC_MAR_WSI_SLOTS, slot, count,
+                     sizeof(int32_t), err);
 }
 
 static void free_workspace(mc_mar *mar) {
@@ -111,6 +111,15 @@ static mc_status read_int_metadata(const mc_st_file *file, const char *key, int6
     return MC_OK;
 }
 
+/* The shape of tensor `key`, which must have `ndim` dimensions. */
+static mc_status shape_of(mc_loader *ld, const char *key, int ndim, int64_t shape[8]) {
+    int got;
+    MC_TRY(mc_loader_shape(ld, key, &got, shape));
+    if (got != ndim)
+        return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' must be %d-D", ld->file->path, key, ndim);
+    return MC_OK;
+}
+
 static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *cfg) {
     const mc_st_file *file = ld->file;
     mc_err *err = ld->err;
@@ -126,19 +135,12 @@ static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *c
                        "%s is not a MAR checkpoint: keys 'class_emb.weight' and "
                        "'diffloss.net.input_proj.weight' are missing", file->path);
     }
-    MC_TRY(mc_loader_shape(ld, "class_emb.weight", &ndim, shape));
-    if (ndim != 2)
-        return mc_fail(err, MC_ERR_VALUE, "%s: key 'class_emb.weight' must be 2-D", file->path);
+    MC_TRY(shape_of(ld, "class_emb.weight", 2, shape));
     cfg->num_classes = shape[0];
     cfg->width = shape[1];
-    MC_TRY(mc_loader_shape(ld, "decoder_embed.weight", &ndim, shape));
-    if (ndim != 2)
-        return mc_fail(err, MC_ERR_VALUE, "%s: key 'decoder_embed.weight' must be 2-D", file->path);
+    MC_TRY(shape_of(ld, "decoder_embed.weight", 2, shape));
     cfg->dec_width = shape[0];
-    MC_TRY(mc_loader_shape(ld, "diffusion_pos_embed_learned", &ndim, shape));
-    if (ndim != 3)
-        return mc_fail(err, MC_ERR_VALUE, "%s: key 'diffusion_pos_embed_learned' must be 3-D",
-                       file->path);
+    MC_TRY(shape_of(ld, "diffusion_pos_embed_learned", 3, shape));
     cfg->seq_len = shape[1];
     MC_TRY(mc_loader_shape(ld, "encoder_pos_embed_learned", &ndim, shape));
     if (ndim != 3 || shape[1] <= cfg->seq_len)
@@ -146,14 +148,9 @@ static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *c
                        "%s: key 'encoder_pos_embed_learned' must be [1, buffer + %lld, width]",
                        file->path, (long long)cfg->seq_len);
     cfg->buffer_size = shape[1] - cfg->seq_len;
-    MC_TRY(mc_loader_shape(ld, "z_proj.weight", &ndim, shape));
-    if (ndim != 2)
-        return mc_fail(err, MC_ERR_VALUE, "%s: key 'z_proj.weight' must be 2-D", file->path);
+    MC_TRY(shape_of(ld, "z_proj.weight", 2, shape));
     cfg->token_channels = shape[1];
-    MC_TRY(mc_loader_shape(ld, "diffloss.net.input_proj.weight", &ndim, shape));
-    if (ndim != 2)
-        return mc_fail(err, MC_ERR_VALUE, "%s: key 'diffloss.net.input_proj.weight' must be 2-D",
-                       file->path);
+    MC_TRY(shape_of(ld, "diffloss.net.input_proj.weight", 2, shape));
     cfg->head_width = shape[0];
     cfg->enc_depth = count_indexed(ld, "encoder_blocks.%d.norm1.weight");
     cfg->dec_depth = count_indexed(ld, "decoder_blocks.%d.norm1.weight");
@@ -597,6 +594,20 @@ mc_status mc_mar_output_rows(mc_mar *m, const float *x, const int32_t *src_rows,
     return ops->add_rows(be, z_out, Dd, n_out, Dd, tmp, Dd, n_out, err);
 }
 
+/* Where encoder (or decoder) layer i of a full pass stores its K/V for a
+ * policy's hooks: nowhere without hooks or without that table. */
+static mc_mar_kv_io hook_io(const mc_mar_hooks *hooks, int decoder, int64_t i, int64_t rows_per_seq) {
+    mc_mar_kv_io io = {0};
+    float **k = hooks == NULL ? NULL : decoder ? hooks->dec_k : hooks->enc_k;
+    if (k != NULL) {
+        io.k_store = k[i];
+        io.v_store = decoder ? hooks->dec_v[i] : hooks->enc_v[i];
+        io.store_seq = hooks->store_seq;
+        io.store_cap = decoder ? rows_per_seq : hooks->enc_cap;
+    }
+    return io;
+}
+
 mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
                                 int64_t n_out, float *z_out, const mc_mar_hooks *hooks, mc_err *err) {
     mc_backend *be = m->backend;
@@ -610,13 +621,7 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
         return err->status;
     MC_TRY(mc_mar_encoder_input(m, batch, x, err));
     for (int64_t i = 0; i < c->enc_depth; i++) {
-        mc_mar_kv_io io = {0};
-        if (hooks != NULL && hooks->enc_k != NULL) {
-            io.k_store = hooks->enc_k[i];
-            io.v_store = hooks->enc_v[i];
-            io.store_seq = hooks->store_seq;
-            io.store_cap = hooks->enc_cap;
-        }
+        const mc_mar_kv_io io = hook_io(hooks, 0, i, L);
         MC_TRY(mc_mar_block_attn(m, &m->enc_blocks[i], x, B, rows_per, D, c->enc_heads,
                                  hooks ? &io : NULL, err));
         MC_TRY(mc_mar_block_mlp(m, &m->enc_blocks[i], x, B * rows_per, D, c->mlp_hidden, err));
@@ -632,22 +637,9 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
     if (hooks != NULL && hooks->dec_input != NULL)
         MC_TRY(ops->copy(be, hooks->dec_input, f, (size_t)(hooks->store_seq * L * Dd) * sizeof(float), err));
     for (int64_t i = 0; i < c->dec_depth; i++) {
-        mc_mar_kv_io io = {0};
-        if (hooks != NULL && hooks->dec_k != NULL) {
-            io.k_store = hooks->dec_k[i];
-            io.v_store = hooks->dec_v[i];
-            io.store_seq = hooks->store_seq;
-            io.store_cap = L;
-        }
+        const mc_mar_kv_io io = hook_io(hooks, 1, i, L);
         MC_TRY(mc_mar_block_attn(m, &m->dec_blocks[i], f, B, L, Dd, c->dec_heads, hooks ? &io : NULL, err));
         MC_TRY(mc_mar_block_mlp(m, &m->dec_blocks[i], f, B * L, Dd, c->dec_mlp_hidden, err));
-    }
-    /* Condition cache: what the unconditional half adds to the conditional
-     * one at the last block's output (pre-norm). */
-    if (hooks != NULL && hooks->cond_diff != NULL) {
-        const int64_t half = B / 2;
-        MC_TRY(ops->copy(be, hooks->cond_diff, f + half * L * Dd, (size_t)(half * L * Dd) * sizeof(float), err));
-        MC_TRY(ops->axpby(be, -1.0f, f, Dd, 1.0f, hooks->cond_diff, Dd, half * L, Dd, err));
     }
 
     /* Final norm and diffusion_pos_embed only on the rows the head needs. */
@@ -684,75 +676,80 @@ float *mc_mar_decoder_activations(mc_mar *mar) { return mar->ws.slots[WS_DEC_X];
 
 const float *mc_mar_last_qkv(mc_mar *mar) { return mar->ws.slots[WS_QKV]; }
 
-mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
-                              const float *c_emb, int64_t t_index, float *out, mc_err *err) {
-    return mc_mar_head_forward_cached(m, x, rows, x_duplicated, c_emb, t_index, out, NULL, err);
+mc_status mc_mar_head_activations(mc_mar *m, int64_t rows, mc_mar_head_acts *b, mc_err *err) {
+    const int64_t W = m->config.head_width;
+    b->y = mc_mar_ws(m, WS_HEAD_Y, (size_t)(rows * W), err);
+    b->ada = mc_mar_ws(m, WS_HEAD_ADA, (size_t)(rows * 3 * W), err);
+    b->h = mc_mar_ws(m, WS_HEAD_H, (size_t)(rows * W), err);
+    b->u = mc_mar_ws(m, WS_HEAD_U, (size_t)(rows * W), err);
+    b->u2 = mc_mar_ws(m, WS_HEAD_U2, (size_t)(rows * W), err);
+    return (b->y && b->ada && b->h && b->u && b->u2) ? MC_OK : err->status;
 }
 
-mc_status mc_mar_head_forward_cached(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
-                                     const float *c_emb, int64_t t_index, float *out,
-                                     const mc_head_cache *cache, mc_err *err) {
+mc_status mc_mar_head_embed(mc_mar *m, const mc_mar_head_acts *b, const float *x, int64_t rows,
+                            int x_duplicated, const float *c_emb, int64_t t_index, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
-    const mc_mar_config *c = &m->config;
-    const int64_t W = c->head_width, C = c->token_channels;
-    const mc_head_mode mode = cache ? cache->mode : MC_HEAD_PLAIN;
-    const int64_t live = cache ? cache->live_rows : 0;
+    const int64_t W = m->config.head_width, C = m->config.token_channels;
     if (t_index < 0 || t_index >= m->n_timesteps)
         return mc_fail(err, MC_ERR_INTERNAL, "head: timestep index %lld out of range", (long long)t_index);
-    if ((mode == MC_HEAD_RECOMPUTE || mode == MC_HEAD_REUSE) && rows != live)
-        return mc_fail(err, MC_ERR_INTERNAL, "head: cached evaluation needs the live rows only");
-    float *y = mc_mar_ws(m, WS_HEAD_Y, (size_t)(rows * W), err);
-    float *ada = mc_mar_ws(m, WS_HEAD_ADA, (size_t)(rows * 3 * W), err);
-    float *h = mc_mar_ws(m, WS_HEAD_H, (size_t)(rows * W), err);
-    float *u = mc_mar_ws(m, WS_HEAD_U, (size_t)(rows * W), err);
-    float *u2 = mc_mar_ws(m, WS_HEAD_U2, (size_t)(rows * W), err);
-    if (!y || !ada || !h || !u || !u2)
-        return err->status;
-
     /* SiLU(t_emb + c_emb) feeds every adaLN modulation. */
-    MC_TRY(ops->copy(be, y, c_emb, (size_t)(rows * W) * sizeof(float), err));
-    MC_TRY(ops->add_rows(be, y, W, rows, W, m->time_embeddings + t_index * W, W, 1, err));
-    MC_TRY(ops->activation(be, MC_ACT_SILU, y, W, rows, W, err));
-
+    MC_TRY(ops->copy(be, b->y, c_emb, (size_t)(rows * W) * sizeof(float), err));
+    MC_TRY(ops->add_rows(be, b->y, W, rows, W, m->time_embeddings + t_index * W, W, 1, err));
+    MC_TRY(ops->activation(be, MC_ACT_SILU, b->y, W, rows, W, err));
     int64_t x_rows = x_duplicated ? rows / 2 : rows;
     MC_TRY(ops->linear(be, x, C, x_rows, C, m->input_proj_w, m->input_proj_b, W, MC_ACT_NONE, 0.0f,
-                       h, W, err));
+                       b->h, W, err));
     if (x_duplicated)
-        MC_TRY(ops->copy(be, h + x_rows * W, h, (size_t)(x_rows * W) * sizeof(float), err));
-
-    for (int64_t j = 0; j < c->head_depth; j++) {
-        const mc_mar_res_block *r = &m->res_blocks[j];
-        const int skipped = cache && j >= cache->skip_first && j <= cache->skip_last;
-        if (skipped && (mode == MC_HEAD_RECOMPUTE || mode == MC_HEAD_REUSE)) {
-            MC_TRY(ops->add_rows(be, h, W, rows, W, cache->delta[j], W, rows, err));
-            continue;
-        }
-        if (mode == MC_HEAD_REUSE) {
-            /* Only the gate of the modulation is needed: rows 2W..3W of the adaLN Linear. */
-            MC_TRY(ops->linear(be, y, W, rows, W, mc_linear_w_rows(be, r->ada_w, 2 * W, W), r->ada_b + 2 * W, W,
-                               MC_ACT_NONE, 0.0f, ada, W, err));
-            MC_TRY(ops->gated_add(be, h, W, cache->mlp[j], W, ada, W, rows, W, err));
-            continue;
-        }
-        if (skipped && mode == MC_HEAD_STORE) /* delta = h_after - h_before, live rows */
-            MC_TRY(ops->axpby(be, -1.0f, h, W, 0.0f, cache->delta[j], W, live, W, err));
-        MC_TRY(ops->linear(be, y, W, rows, W, r->ada_w, r->ada_b, 3 * W, MC_ACT_NONE, 0.0f, ada,
-                           3 * W, err));
-        MC_TRY(ops->layernorm(be, h, W, rows, W, r->in_ln_w, r->in_ln_b, MAR_LN_EPS, ada, ada + W,
-                              3 * W, u, W, err));
-        MC_TRY(ops->linear(be, u, W, rows, W, r->mlp0_w, r->mlp0_b, W, MC_ACT_SILU, 0.0f, u2, W, err));
-        MC_TRY(ops->linear(be, u2, W, rows, W, r->mlp2_w, r->mlp2_b, W, MC_ACT_NONE, 0.0f, u, W, err));
-        if (!skipped && (mode == MC_HEAD_STORE || mode == MC_HEAD_RECOMPUTE))
-            MC_TRY(ops->copy(be, cache->mlp[j], u, (size_t)(live * W) * sizeof(float), err));
-        MC_TRY(ops->gated_add(be, h, W, u, W, ada + 2 * W, 3 * W, rows, W, err));
-        if (skipped && mode == MC_HEAD_STORE)
-            MC_TRY(ops->axpby(be, 1.0f, h, W, 1.0f, cache->delta[j], W, live, W, err));
-    }
-    MC_TRY(ops->linear(be, y, W, rows, W, m->final_ada_w, m->final_ada_b, 2 * W, MC_ACT_NONE, 0.0f,
-                       ada, 2 * W, err));
-    MC_TRY(ops->layernorm(be, h, W, rows, W, NULL, NULL, MAR_LN_EPS, ada, ada + W, 2 * W, u, W, err));
-    MC_TRY(ops->linear(be, u, W, rows, W, m->final_linear_w, m->final_linear_b, 2 * C, MC_ACT_NONE,
-                       0.0f, out, 2 * C, err));
+        MC_TRY(ops->copy(be, b->h + x_rows * W, b->h, (size_t)(x_rows * W) * sizeof(float), err));
     return MC_OK;
+}
+
+mc_status mc_mar_head_block_mlp(mc_mar *m, int64_t j, const mc_mar_head_acts *b, int64_t rows,
+                                mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const mc_mar_res_block *r = &m->res_blocks[j];
+    const int64_t W = m->config.head_width;
+    MC_TRY(ops->linear(be, b->y, W, rows, W, r->ada_w, r->ada_b, 3 * W, MC_ACT_NONE, 0.0f, b->ada,
+                       3 * W, err));
+    MC_TRY(ops->layernorm(be, b->h, W, rows, W, r->in_ln_w, r->in_ln_b, MAR_LN_EPS, b->ada, b->ada + W,
+                          3 * W, b->u, W, err));
+    MC_TRY(ops->linear(be, b->u, W, rows, W, r->mlp0_w, r->mlp0_b, W, MC_ACT_SILU, 0.0f, b->u2, W, err));
+    return ops->linear(be, b->u2, W, rows, W, r->mlp2_w, r->mlp2_b, W, MC_ACT_NONE, 0.0f, b->u, W, err);
+}
+
+mc_status mc_mar_head_block_gate(mc_mar *m, int64_t j, const mc_mar_head_acts *b, int64_t rows,
+                                 mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_mar_res_block *r = &m->res_blocks[j];
+    const int64_t W = m->config.head_width;
+    /* Rows 2W..3W of the adaLN Linear: the gate alone. */
+    return be->ops->linear(be, b->y, W, rows, W, mc_linear_w_rows(be, r->ada_w, 2 * W, W), r->ada_b + 2 * W, W,
+                           MC_ACT_NONE, 0.0f, b->ada, W, err);
+}
+
+mc_status mc_mar_head_final(mc_mar *m, const mc_mar_head_acts *b, int64_t rows, float *out, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t W = m->config.head_width, C = m->config.token_channels;
+    MC_TRY(ops->linear(be, b->y, W, rows, W, m->final_ada_w, m->final_ada_b, 2 * W, MC_ACT_NONE, 0.0f,
+                       b->ada, 2 * W, err));
+    MC_TRY(ops->layernorm(be, b->h, W, rows, W, NULL, NULL, MAR_LN_EPS, b->ada, b->ada + W, 2 * W, b->u, W,
+                          err));
+    return ops->linear(be, b->u, W, rows, W, m->final_linear_w, m->final_linear_b, 2 * C, MC_ACT_NONE, 0.0f,
+                       out, 2 * C, err);
+}
+
+mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
+                              const float *c_emb, int64_t t_index, float *out, mc_err *err) {
+    const int64_t W = m->config.head_width;
+    mc_mar_head_acts b;
+    MC_TRY(mc_mar_head_activations(m, rows, &b, err));
+    MC_TRY(mc_mar_head_embed(m, &b, x, rows, x_duplicated, c_emb, t_index, err));
+    for (int64_t j = 0; j < m->config.head_depth; j++) {
+        MC_TRY(mc_mar_head_block_mlp(m, j, &b, rows, err));
+        MC_TRY(m->backend->ops->gated_add(m->backend, b.h, W, b.u, W, b.ada + 2 * W, 3 * W, rows, W, err));
+    }
+    return mc_mar_head_final(m, &b, rows, out, err);
 }

@@ -42,11 +42,13 @@ typedef struct mc_mar_res_block {
     void *mlp0_w, *mlp2_w, *ada_w;
 } mc_mar_res_block;
 
-/* Activation buffers, grown on demand and reused across steps and calls. */
+/* Activation buffers, grown on demand and reused across steps and calls
+ * (float slots and int32 index slots; access through mc_mar_ws /
+ * mc_mar_ws_index, which check the slot). */
 typedef struct mc_mar_workspace {
-    float *slots[28];
+    void *slots[28];
     size_t slot_floats[28];
-    int32_t *index_slots[8];
+    void *index_slots[8];
     size_t index_slot_count[8];
 } mc_mar_workspace;
 
@@ -126,7 +128,6 @@ typedef struct mc_mar_hooks {
     int64_t enc_cap;
     float *dec_input;           /* [store_seq, P + S, Dd] decoder input */
     float **dec_k, **dec_v;     /* [dec_depth] caches of P + S rows per sequence */
-    float *cond_diff;           /* [B'/2, P + S, Dd]: uncond - cond at the last block */
 } mc_mar_hooks;
 
 /* Building blocks the cache policies compose (runtime/). */
@@ -164,26 +165,29 @@ mc_status mc_mar_head_cond(mc_mar *mar, const float *z, int64_t rows, float *c_e
 mc_status mc_mar_head_forward(mc_mar *mar, const float *x, int64_t rows, int x_duplicated,
                               const float *c_emb, int64_t t_index, float *out, mc_err *err);
 
-/* LazyMAR's diffusion-head cache (lazymar.md 7): how one head evaluation
- * uses and fills per-block caches of the n live (conditional) rows. */
-typedef enum mc_head_mode {
-    MC_HEAD_PLAIN = 0, /* the network as published, nothing stored */
-    MC_HEAD_STORE,     /* full evaluation; store MLP outputs and skipped-block deltas */
-    MC_HEAD_RECOMPUTE, /* live rows only; skipped blocks add their delta; MLPs recomputed and stored */
-    MC_HEAD_REUSE      /* live rows only; skipped blocks add their delta; MLPs reused, gate recomputed */
-} mc_head_mode;
+/* The head's activations for `rows` rows (model workspace, grow-only): y =
+ * SiLU(t_emb + c_emb), ada = adaLN modulation, h = the residual stream, u
+ * and u2 = MLP scratch (u holds a block's MLP output after
+ * mc_mar_head_block_mlp). */
+typedef struct mc_mar_head_acts {
+    float *y, *ada, *h, *u, *u2;
+} mc_mar_head_acts;
 
-typedef struct mc_head_cache {
-    mc_head_mode mode;
-    int skip_first, skip_last; /* res blocks replaced by cached deltas, inclusive */
-    int64_t live_rows;         /* n: the conditional rows whose caches are kept */
-    float **mlp;               /* [head_depth] of [n, W]; NULL for skipped blocks */
-    float **delta;             /* [head_depth] of [n, W]; NULL for computed blocks */
-} mc_head_cache;
-
-mc_status mc_mar_head_forward_cached(mc_mar *mar, const float *x, int64_t rows, int x_duplicated,
-                                     const float *c_emb, int64_t t_index, float *out,
-                                     const mc_head_cache *cache, mc_err *err);
+/* Building blocks of one head evaluation, which mc_mar_head_forward and the
+ * head cache (runtime/head_cache.c) compose: */
+mc_status mc_mar_head_activations(mc_mar *mar, int64_t rows, mc_mar_head_acts *acts, mc_err *err);
+/* y and h = input_proj(x) (x duplicated into both CFG halves when asked). */
+mc_status mc_mar_head_embed(mc_mar *mar, const mc_mar_head_acts *acts, const float *x, int64_t rows,
+                            int x_duplicated, const float *c_emb, int64_t t_index, mc_err *err);
+/* Res block j: ada = adaLN(y) [rows, 3W], u = MLP(LN(h) modulated) [rows, W]; the
+ * caller adds u gated by ada + 2W to h (ops->gated_add). */
+mc_status mc_mar_head_block_mlp(mc_mar *mar, int64_t j, const mc_mar_head_acts *acts, int64_t rows,
+                                mc_err *err);
+/* Res block j's gate alone: ada [rows, W] = rows 2W..3W of its adaLN Linear. */
+mc_status mc_mar_head_block_gate(mc_mar *mar, int64_t j, const mc_mar_head_acts *acts, int64_t rows,
+                                 mc_err *err);
+/* Final adaLN layer: out [rows, 2C]. */
+mc_status mc_mar_head_final(mc_mar *mar, const mc_mar_head_acts *acts, int64_t rows, float *out, mc_err *err);
 
 /* The decoder's last activations [B', P + S, Dd] after mc_mar_transformer_ex
  * (valid until the next transformer call). */
@@ -204,7 +208,8 @@ enum {
     MC_MAR_WSI_SLOTS = 8
 };
 
-/* Workspace slot access (grow-only). */
+/* Workspace slot access (grow-only; a slot outside the workspace is an
+ * MC_ERR_INTERNAL failure). */
 float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err);
 int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err);
 

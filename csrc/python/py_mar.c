@@ -8,6 +8,8 @@
 
 #include "../runtime/mar_sampler.h"
 #include "py_backend.h"
+#include "py_config.h"
+#include "py_generate.h"
 
 typedef struct {
     PyObject_HEAD
@@ -91,121 +93,72 @@ static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char 
     return arr;
 }
 
-typedef struct step_callback_ctx {
-    PyThreadState *thread_state;
-    PyObject *callback;   /* Python callable(info dict) or NULL */
-    PyObject *step_list;  /* list collecting step dicts */
-    int trace_rows;       /* add the kept/active rows of cached steps */
-    int failed;
-} step_callback_ctx;
-
-static PyObject *step_info_dict(const mc_step_info *s) {
-    return Py_BuildValue("{s:i,s:O,s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:d,s:d,s:O}", "step", s->step,
-                         "full", s->full ? Py_True : Py_False, "masked_before", (long long)s->masked_before,
-                         "predicted", (long long)s->predicted, "cfg", (double)s->cfg, "encoder_rows",
-                         (long long)s->encoder_rows, "decoder_rows", (long long)s->decoder_rows,
-                         "decoder_kept_rows", (long long)s->decoder_kept_rows, "head_rows",
-                         (long long)s->head_rows, "head_evaluations", (long long)s->head_evaluations,
-                         "head_cached_evaluations", (long long)s->head_cached_evaluations,
-                         "cache_bytes", (long long)s->cache_bytes, "flops", s->flops, "seconds",
-                         s->seconds, "head_graph", s->head_graph ? Py_True : Py_False);
-}
-
-/* Reads a LazyMAR configuration from the dict marcache.LazyMAR produces
- * (the dataclass validates; this checks presence and types). */
-static int dict_int(PyObject *d, const char *key, int *out) {
-    PyObject *v = PyDict_GetItemString(d, key);
-    if (v == NULL) {
-        PyErr_Format(PyExc_KeyError, "cache config: missing '%s'", key);
-        return -1;
-    }
-    long x = PyLong_AsLong(v);
-    if (x == -1 && PyErr_Occurred())
-        return -1;
-    if (x < -1000000 || x > 1000000) {
-        PyErr_Format(PyExc_ValueError, "cache config: '%s' = %ld is out of range", key, x);
-        return -1;
-    }
-    *out = (int)x;
-    return 0;
-}
-
-static int parse_lazymar(PyObject *d, mc_lazymar_config *cfg) {
-    if (!PyDict_Check(d)) {
-        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from marcache.LazyMAR / marcache.MARche");
-        return -1;
-    }
-    memset(cfg, 0, sizeof *cfg);
-    if (dict_int(d, "encoder_cache", &cfg->encoder_cache) < 0 || dict_int(d, "decoder_mode", &cfg->decoder_mode) < 0 ||
-        dict_int(d, "budget", &cfg->budget) < 0 || dict_int(d, "full_layers", &cfg->full_layers) < 0 ||
-        dict_int(d, "marche_select_layer", &cfg->marche_select_layer) < 0 ||
-        dict_int(d, "image_candidates", &cfg->image_candidates) < 0 ||
-        dict_int(d, "refresh_low", &cfg->refresh_low) < 0 || dict_int(d, "cond_cache", &cfg->cond_cache) < 0 ||
-        dict_int(d, "head_cache", &cfg->head_cache) < 0 || dict_int(d, "start", &cfg->start) < 0 ||
-        dict_int(d, "period", &cfg->period) < 0 || dict_int(d, "select_layer", &cfg->select_layer) < 0 ||
-        dict_int(d, "margin", &cfg->margin) < 0 || dict_int(d, "head_period", &cfg->head_period) < 0 ||
-        dict_int(d, "head_skip_first", &cfg->head_skip_first) < 0 ||
-        dict_int(d, "head_skip_last", &cfg->head_skip_last) < 0)
-        return -1;
-    PyObject *above = PyDict_GetItemString(d, "head_recompute_above");
-    PyObject *table = PyDict_GetItemString(d, "retention");
-    if (above == NULL || table == NULL) {
-        PyErr_SetString(PyExc_KeyError, "cache config: missing 'head_recompute_above' or 'retention'");
-        return -1;
-    }
-    cfg->head_recompute_above = PyFloat_AsDouble(above);
-    if (PyErr_Occurred())
-        return -1;
-    PyObject *seq = PySequence_Fast(table, "cache config: 'retention' must be a sequence");
-    if (seq == NULL)
-        return -1;
-    if (PySequence_Fast_GET_SIZE(seq) != MC_LAZYMAR_TABLE) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "cache config: 'retention' needs %d entries", MC_LAZYMAR_TABLE);
-        return -1;
-    }
-    for (int i = 0; i < MC_LAZYMAR_TABLE; i++) {
-        cfg->retention[i] = (float)PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
-        if (PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-    }
-    Py_DECREF(seq);
-    return 0;
-}
-
-/* Runs with the GIL released; takes it back briefly to record the step,
- * call the progress callback and check for Ctrl-C. */
-static int on_step(void *opaque, const mc_step_info *info) {
-    step_callback_ctx *ctx = opaque;
-    PyEval_RestoreThread(ctx->thread_state);
-    int cancel = 0;
-    PyObject *d = step_info_dict(info);
-    if (d != NULL && ctx->trace_rows && info->kept_rows != NULL) {
-        npy_intp dims[2] = {(npy_intp)info->kept_sequences, (npy_intp)info->kept_per_sequence};
+/* MAR's tail of a step dict; with trace_rows, the kept (active) rows of a
+ * cached step as int32 [sequences, rows]. */
+static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
+    const mc_mar_step_tail *s = opaque;
+    PyObject *tail = Py_BuildValue("{s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:O}", "masked_before",
+                                   (long long)s->masked_before, "predicted", (long long)s->predicted, "cfg",
+                                   (double)s->cfg, "encoder_rows", (long long)s->encoder_rows, "decoder_rows",
+                                   (long long)s->decoder_rows, "decoder_kept_rows", (long long)s->decoder_kept_rows,
+                                   "head_rows", (long long)s->head_rows, "head_evaluations",
+                                   (long long)s->head_evaluations, "head_cached_evaluations",
+                                   (long long)s->head_cached_evaluations, "head_graph",
+                                   s->head_graph ? Py_True : Py_False);
+    int rc = tail == NULL ? -1 : PyDict_Update(d, tail);
+    Py_XDECREF(tail);
+    if (rc == 0 && *(const int *)trace_rows && s->kept_rows != NULL) {
+        npy_intp dims[2] = {(npy_intp)s->kept_sequences, (npy_intp)s->kept_per_sequence};
         PyObject *rows = PyArray_SimpleNew(2, dims, NPY_INT32);
         if (rows != NULL)
-            memcpy(PyArray_DATA((PyArrayObject *)rows), info->kept_rows,
-                   (size_t)(dims[0] * dims[1]) * sizeof(int32_t));
-        if (rows == NULL || PyDict_SetItemString(d, "kept_rows", rows) < 0)
-            cancel = 1;
+            memcpy(PyArray_DATA((PyArrayObject *)rows), s->kept_rows, (size_t)(dims[0] * dims[1]) * sizeof(int32_t));
+        rc = rows == NULL || PyDict_SetItemString(d, "kept_rows", rows) < 0 ? -1 : 0;
         Py_XDECREF(rows);
     }
-    if (d == NULL || PyList_Append(ctx->step_list, d) < 0)
-        cancel = 1;
-    if (!cancel && ctx->callback != NULL && ctx->callback != Py_None) {
-        PyObject *r = PyObject_CallFunctionObjArgs(ctx->callback, d, NULL);
-        if (r == NULL)
-            cancel = 1;
-        Py_XDECREF(r);
+    return rc;
+}
+
+/* The policy named by the dict's "policy" key, its config filled from the
+ * rest of the dict (the Python policy's own fields) by the policy's field
+ * table, and checked against the model. */
+static const mc_mar_policy_ops *parse_policy(PyObject *cache, const mc_mar_config *model, void **config) {
+    *config = NULL;
+    if (!PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from a marcache cache policy's as_dict()");
+        return NULL;
     }
-    Py_XDECREF(d);
-    if (!cancel && PyErr_CheckSignals() < 0)
-        cancel = 1;
-    ctx->failed = cancel;
-    ctx->thread_state = PyEval_SaveThread();
-    return cancel;
+    PyObject *name_obj = PyDict_GetItemString(cache, "policy");
+    const char *name = name_obj && PyUnicode_Check(name_obj) ? PyUnicode_AsUTF8(name_obj) : NULL;
+    if (name == NULL) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "cache config: missing 'policy' (the policy's name)");
+        return NULL;
+    }
+    const mc_mar_policy_ops *ops = mc_mar_policy_find(name);
+    if (ops == NULL) {
+        PyErr_Format(PyExc_ValueError, "cache config: no MAR cache policy named '%s'", name);
+        return NULL;
+    }
+    *config = PyMem_Calloc(1, ops->schema.size);
+    if (*config == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    mc_err err = {0};
+    if (mcpy_fill_config(cache, name, ops->schema.fields, *config, ops->schema.size, "policy") < 0 ||
+        (ops->check(*config, model, &err) != MC_OK && mcpy_raise(&err) == NULL)) {
+        mcpy_free_config(ops->schema.fields, *config);
+        PyMem_Free(*config);
+        *config = NULL;
+        return NULL;
+    }
+    return ops;
+}
+
+static void free_policy_config(const mc_mar_policy_ops *policy, void *config) {
+    if (policy != NULL)
+        mcpy_free_config(policy->schema.fields, config);
+    PyMem_Free(config);
 }
 
 static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
@@ -220,9 +173,8 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
                                      &schedule_name, &temperature, &seed, &first_index, &callback,
                                      &cache_obj, &trace_rows))
         return NULL;
-    mc_lazymar_config lazymar;
-    if (cache_obj != Py_None && parse_lazymar(cache_obj, &lazymar) < 0)
-        return NULL;
+    if (self->mar == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
     mc_cfg_schedule schedule;
     if (strcmp(schedule_name, "linear") == 0)
         schedule = MC_CFG_LINEAR;
@@ -232,53 +184,47 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
         return PyErr_Format(PyExc_ValueError, "cfg_schedule must be 'linear' or 'constant', got '%s'", schedule_name);
     if (first_index > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
-    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
-    if (labels == NULL)
+    void *policy_config = NULL;
+    const mc_mar_policy_ops *policy = NULL;
+    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, &self->mar->config, &policy_config)) == NULL)
         return NULL;
+    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
+    if (labels == NULL) {
+        free_policy_config(policy, policy_config);
+        return NULL;
+    }
     const int64_t n = PyArray_DIM(labels, 0);
     const int32_t *label_data = PyArray_DATA(labels);
     for (int64_t i = 0; i < n; i++)
         if (label_data[i] < -1 || label_data[i] >= self->mar->config.num_classes) {
             Py_DECREF(labels);
+            free_policy_config(policy, policy_config);
             return PyErr_Format(PyExc_ValueError, "label %d at index %lld is outside 0..%lld (or -1 for unconditional)",
                                 label_data[i], (long long)i, (long long)self->mar->config.num_classes - 1);
         }
-    if (claim(self) < 0) {
-        Py_DECREF(labels);
-        return NULL;
-    }
     const mc_mar_config *c = &self->mar->config;
     npy_intp dims[3] = {(npy_intp)n, (npy_intp)c->seq_len, (npy_intp)c->token_channels};
     PyArrayObject *tokens = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
-    PyObject *step_list = PyList_New(0);
-    mc_step_info *infos = PyMem_Calloc((size_t)(steps > 0 ? steps : 1), sizeof(mc_step_info));
-    if (tokens == NULL || step_list == NULL || infos == NULL) {
-        self->busy = 0;
-        Py_DECREF(labels);
-        Py_XDECREF(tokens);
-        Py_XDECREF(step_list);
-        PyMem_Free(infos);
-        return PyErr_NoMemory();
-    }
-    step_callback_ctx ctx = {.callback = callback, .step_list = step_list, .trace_rows = trace_rows};
     mc_mar_generate_args gen = {
         .labels = label_data, .n_images = n, .num_steps = steps, .cfg = cfg, .cfg_schedule = schedule,
         .temperature = temperature, .seed = (uint64_t)seed, .first_index = (uint32_t)first_index,
-        .on_step = on_step, .callback_ctx = &ctx, .lazymar = cache_obj != Py_None ? &lazymar : NULL,
+        .policy = policy, .policy_config = policy_config,
     };
+    mc_mar_run *run = NULL;
     mc_err err = {0};
-    ctx.thread_state = PyEval_SaveThread();
-    mc_status st = mc_mar_generate(self->mar, &self->diffusion, &gen, PyArray_DATA(tokens), infos, &err);
-    PyEval_RestoreThread(ctx.thread_state);
-    self->busy = 0;
+    PyObject *step_list = NULL;
+    if (tokens != NULL && mc_mar_run_new(self->mar, &self->diffusion, &gen, PyArray_DATA(tokens), &run, &err) != MC_OK)
+        mcpy_raise(&err);
+    if (run != NULL && claim(self) == 0) {
+        step_list = mcpy_generate(&mc_mar_generator, run, self->backend, callback, mar_tail_dict, &trace_rows);
+        self->busy = 0;
+    }
+    mc_mar_run_free(run);
     Py_DECREF(labels);
-    PyMem_Free(infos);
-    if (st != MC_OK) {
-        Py_DECREF(tokens);
-        Py_DECREF(step_list);
-        if (ctx.failed && PyErr_Occurred())
-            return NULL;
-        return mcpy_raise(&err);
+    free_policy_config(policy, policy_config);
+    if (step_list == NULL) {
+        Py_XDECREF(tokens);
+        return NULL;
     }
     return Py_BuildValue("(NN)", tokens, step_list);
 }

@@ -9,6 +9,22 @@ double mc_flops_block_mlp(int64_t rows, int64_t dim, int64_t hidden) {
     return 4.0 * (double)rows * (double)dim * (double)hidden;
 }
 
+double mc_flops_mar_encoder(const mc_mar_config *c, int64_t n_seq, int64_t new_tokens, int64_t q_rows,
+                            int64_t keys) {
+    const int64_t D = c->width;
+    return 2.0 * (double)(n_seq * new_tokens) * (double)(c->token_channels * D) +
+           (double)c->enc_depth * (mc_flops_block_attn(n_seq, q_rows, keys, D) +
+                                   mc_flops_block_mlp(n_seq * q_rows, D, c->mlp_hidden)) +
+           2.0 * (double)(n_seq * q_rows) * (double)(D * c->dec_width);
+}
+
+double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known) {
+    const int64_t P = c->buffer_size, L = P + c->seq_len, enc_len = P + n_known;
+    return mc_flops_mar_encoder(c, n_seq, n_known, enc_len, enc_len) +
+           (double)c->dec_depth * (mc_flops_block_attn(n_seq, L, L, c->dec_width) +
+                                   mc_flops_block_mlp(n_seq * L, c->dec_width, c->dec_mlp_hidden));
+}
+
 double mc_flops_head_eval(const mc_mar_config *c, int64_t rows, int64_t x_rows, mc_head_mode mode,
                           int skip_first, int skip_last) {
     const double W = (double)c->head_width, C = (double)c->token_channels, r = (double)rows;

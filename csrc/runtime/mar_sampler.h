@@ -7,7 +7,8 @@
 
 #include "../models/mar.h"
 #include "diffusion.h"
-#include "lazymar.h"
+#include "driver.h"
+#include "mar_policy.h"
 
 typedef enum mc_cfg_schedule { MC_CFG_LINEAR = 0, MC_CFG_CONSTANT = 1 } mc_cfg_schedule;
 
@@ -16,30 +17,21 @@ int64_t mc_mask_len_after(int64_t seq_len, int64_t masked_before, int step, int 
 /* cfg_iter of a step (mar.md 7.4), evaluated in float32 like the reference. */
 float mc_cfg_at(double cfg, mc_cfg_schedule schedule, int64_t mask_len, int64_t seq_len);
 
-typedef struct mc_step_info {
-    int step;
-    int num_steps;
-    int64_t masked_before;
+/* MAR's tail of the step telemetry (the header is driver.h's). */
+typedef struct mc_mar_step_tail {
+    int64_t masked_before;    /* tokens masked before the step, per image */
     int64_t predicted;        /* tokens predicted per image */
     float cfg;                /* cfg_iter used by the head */
     int64_t encoder_rows;     /* rows through each encoder block (all sequences) */
     int64_t decoder_rows;     /* rows through each decoder block */
-    int full;                 /* 1 unless a cache policy made this a cached step */
     int64_t decoder_kept_rows; /* rows after the selection layer (= decoder_rows when not pruned) */
     int64_t head_rows;        /* rows of a full head evaluation */
     int64_t head_evaluations; /* diffusion steps run */
     int64_t head_cached_evaluations; /* of which ran from the head cache */
-    int64_t cache_bytes;      /* bytes held by the cache policy */
     int head_graph;           /* the head's later diffusion steps ran as a recorded graph */
-    const int32_t *kept_rows; /* see mc_lazymar_stats; valid during the callback only */
+    const int32_t *kept_rows; /* see mc_mar_transformer_stats; valid during the callback only */
     int64_t kept_sequences, kept_per_sequence;
-    double flops;             /* GEMM + attention FLOPs of this step */
-    double seconds;
-} mc_step_info;
-
-/* Called after every AR step; a nonzero return cancels generation
- * (MC_ERR_INTERRUPTED). The callback owns what cancellation means. */
-typedef int (*mc_step_callback)(void *ctx, const mc_step_info *info);
+} mc_mar_step_tail;
 
 typedef struct mc_mar_generate_args {
     const int32_t *labels; /* [n_images]; -1 = unconditional */
@@ -50,16 +42,22 @@ typedef struct mc_mar_generate_args {
     double temperature;
     uint64_t seed;
     uint32_t first_index;
-    mc_step_callback on_step;
-    void *callback_ctx;
-    const mc_lazymar_config *lazymar; /* NULL: no caching */
+    const mc_mar_policy_ops *policy; /* NULL: NoCache */
+    const void *policy_config;       /* the policy's config struct */
 } mc_mar_generate_args;
 
-/* Generates tokens [n_images, S, C] into host memory; `steps_out` (may be
- * NULL) receives num_steps entries. */
-mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion,
-                          const mc_mar_generate_args *args, float *tokens_out,
-                          mc_step_info *steps_out, mc_err *err);
+/* MAR generation as a user of the driver (driver.h). */
+typedef struct mc_mar_run mc_mar_run;
+extern const mc_generator_ops mc_mar_generator;
+/* A run that writes tokens [n_images, S, C] into host memory `tokens_out`;
+ * run it with mc_generate(&mc_mar_generator, run, ...), then free it. */
+mc_status mc_mar_run_new(mc_mar *mar, const mc_diffusion *diffusion, const mc_mar_generate_args *args,
+                         float *tokens_out, mc_mar_run **out, mc_err *err);
+void mc_mar_run_free(mc_mar_run *run);
+
+/* The whole generation in one call (C callers and tests). */
+mc_status mc_mar_generate(mc_mar *mar, const mc_diffusion *diffusion, const mc_mar_generate_args *args,
+                          float *tokens_out, const mc_driver_host *host, mc_err *err);
 
 /* The head sampler alone on n conditional rows (and n unconditional rows of
  * z when cfg != 1): z [n or 2n, Dd] on the backend; rows are identified by
@@ -76,13 +74,20 @@ typedef struct mc_head_stats {
     int graph; /* 1 when the diffusion steps after the first ran as one recorded graph */
 } mc_head_stats;
 
-/* The head sampler with LazyMAR's head cache when `lazymar` has it on. */
-mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, const float *z, int64_t n,
-                                int cfg_on, float cfg, double temperature, uint64_t seed,
-                                const uint32_t *images, const uint32_t *positions, float *x_out,
-                                mc_lazymar *lazymar, mc_head_stats *stats, mc_err *err);
+/* One AR step's head sampling, with the policy's head plan. */
+typedef struct mc_mar_head_call {
+    const float *z;            /* backend [n or 2n, Dd] */
+    int64_t n;
+    int cfg_on;
+    float cfg;
+    double temperature;
+    uint64_t seed;
+    const uint32_t *images, *positions; /* host [n] */
+    float *x_out;              /* host [n, C] or NULL */
+    mc_mar_head_plan plan;     /* zero: the plain head */
+} mc_mar_head_call;
 
-/* FLOPs of the uncached transformer of one AR step (runtime/flops.h rules). */
-double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known);
+mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, const mc_mar_head_call *call,
+                                mc_head_stats *stats, mc_err *err);
 
 #endif

@@ -1,0 +1,104 @@
+/* The state LazyMAR and MARche keep between AR steps, and the pieces of a
+ * step both compose (lazymar.md 5-6, marche.md 2-3): per-layer encoder K/V
+ * (the encoder token cache), the decoder input, decoder K/V of the layers
+ * that attend to a cache, the condition cache (CFG diff at the last block),
+ * the previous step's predicted positions, and the head cache. Only the rows
+ * a later step reads are stored. */
+#ifndef MC_MAR_CACHES_H
+#define MC_MAR_CACHES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "head_cache.h"
+#include "mar_policy.h"
+
+/* Model workspace slots the cached steps use (the model's own are below
+ * MC_MAR_WS_FIRST_FREE, the sampler's just above it). */
+enum {
+    MC_CACHES_WS_ENC_X = MC_MAR_WS_SLOTS - 1,  /* encoder rows of a cached step */
+    MC_CACHES_WS_DEC_X = MC_MAR_WS_SLOTS - 2,  /* decoder rows of a cached step */
+    MC_CACHES_WS_SCORES = MC_MAR_WS_SLOTS - 3, /* row scores (and MARche's generating queries) */
+    MC_CACHES_WS_KEPT_X = MC_MAR_WS_SLOTS - 4, /* the kept (active) rows */
+    MC_CACHES_WSI_ROWS = MC_MAR_WSI_SLOTS - 1  /* device row indices */
+};
+
+typedef struct mc_mar_caches {
+    mc_mar *mar;
+    int64_t n_images, n_cache_seq; /* B, and the sequences with token caches */
+    int cfg_on;
+    int encoder_cache;             /* the encoder token cache is on */
+    int cond_cache;                /* the condition cache is on (and CFG is) */
+    int64_t enc_filled;            /* encoder cache rows filled per sequence (P + visible) */
+    float **enc_k, **enc_v;        /* [enc_depth] of [n_cache_seq, L, D], or NULL tables */
+    float *dec_input;              /* [n_cache_seq, L, Dd] */
+    float **dec_k, **dec_v;        /* [dec_depth]; only the layers that attend to a cache */
+    float *cond_diff;              /* [B, L, Dd] (condition cache) */
+    int32_t *prev_pred;            /* host [B, S]: positions predicted at the previous step */
+    int64_t n_prev;
+    float *scores_host;            /* [n_cache_seq * L] */
+    int32_t *kept;                 /* [n_cache_seq * L]: rows kept (active) at the last cached step */
+    int32_t *order;                /* [L] ranking scratch */
+    uint8_t *taken;                /* [L] selection scratch */
+    mc_head_cache_state head;
+    size_t bytes;                  /* backend bytes of the token and condition caches */
+} mc_mar_caches;
+
+/* `token_tables`: the policy prunes decoder rows on cached steps, so the K/V
+ * tables exist (layers first_cached_layer.. get buffers). */
+mc_status mc_mar_caches_init(mc_mar_caches *tc, mc_mar *mar, const mc_mar_run_shape *run, int encoder_cache,
+                             int cond_cache, int token_tables, int64_t first_cached_layer,
+                             const mc_head_cache_config *head, mc_err *err);
+void mc_mar_caches_release(mc_mar_caches *tc);
+/* The policy ops a policy whose state begins with an mc_mar_caches shares:
+ * size the head cache, plan the step's head, the bytes held. */
+mc_status mc_mar_caches_plan(void *state, int64_t most_live_rows, mc_err *err);
+mc_status mc_mar_caches_head_plan(void *state, const mc_mar_step *step, int n_diffusion_steps,
+                                  mc_mar_head_plan *plan, mc_err *err);
+size_t mc_mar_caches_cache_bytes(const void *state);
+/* Frees a policy state that holds nothing beyond its mc_mar_caches. */
+void mc_mar_caches_free_state(void *state);
+/* The ops table of such a policy: <prefix>_check, _create and _transformer
+ * are its own, the rest the shared ones above, and `free_state` frees it. */
+#define MC_MAR_CACHED_POLICY_OPS(prefix, policy_name, field_table, config_type, free_state)                   \
+    {.schema = {policy_name, field_table, sizeof(config_type)}, .check = prefix##_check,                      \
+     .create = prefix##_create, .plan = mc_mar_caches_plan, .transformer = prefix##_transformer,              \
+     .head_plan = mc_mar_caches_head_plan, .cache_bytes = mc_mar_caches_cache_bytes, .free = free_state}
+/* A backend buffer counted in the cache bytes (freed by mc_mar_caches_release
+ * only if stored in one of the struct's fields; policies release their own). */
+float *mc_mar_caches_buffer(mc_mar_caches *tc, size_t floats, mc_err *err);
+
+/* A full step: the plain model, filling every cache. `select_v` (or NULL)
+ * replaces decoder layer `select_layer`'s V store (LazyMAR's ranking V). */
+mc_status mc_mar_caches_full_step(mc_mar_caches *tc, const mc_mar_step *s, float *select_v, int64_t select_layer,
+                                  float *z, mc_mar_transformer_stats *stats, mc_err *err);
+/* A cached step with the condition cache alone: the plain transformer on
+ * the conditional sequences, the unconditional rows from the diff. */
+mc_status mc_mar_caches_cond_only_step(mc_mar_caches *tc, const mc_mar_step *s, float *z,
+                                       mc_mar_transformer_stats *stats, mc_err *err);
+
+/* A policy's decoder on a cached step: f [nc, L, Dd] holds the decoder input;
+ * it picks `count` rows per sequence into `rows` and leaves their outputs in
+ * *out ([nc, count, Dd]). */
+typedef mc_status (*mc_mar_cached_decoder)(void *policy, const mc_mar_step *s, float *f, int32_t *rows,
+                                           int64_t count, float **out, double *flops, mc_err *err);
+/* A cached step: the encoder phase (token cache or plain), the policy's
+ * decoder on `keep` rows per sequence, the output rows. */
+mc_status mc_mar_caches_cached_step(mc_mar_caches *tc, const mc_mar_step *s, int64_t keep,
+                                    mc_mar_cached_decoder decoder, void *policy, float *z,
+                                    mc_mar_transformer_stats *stats, mc_err *err);
+
+/* Decoder layers [first, last) on every row of f. */
+mc_status mc_mar_caches_full_layers(mc_mar_caches *tc, float *f, int64_t first, int64_t last, double *flops,
+                                    mc_err *err);
+/* Layers [first, depth) on the kept rows xk [nc, keep]: their fresh K/V go
+ * into each layer's cache, and they attend to all P + S cached rows. */
+mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, float *xk, const int32_t *kept, int64_t keep,
+                                           int64_t first, double *flops, mc_err *err);
+/* A step without CFG inside a CFG run (a composing policy made it
+ * guidance-free) is valid only when the caches hold the conditional half alone. */
+mc_status mc_mar_caches_check_step(const mc_mar_caches *tc, const mc_mar_step *s, const char *policy, mc_err *err);
+/* After a step: remember its predicted positions. */
+void mc_mar_caches_remember(mc_mar_caches *tc, const mc_mar_step *s);
+
+#endif

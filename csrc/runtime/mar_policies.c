@@ -1,0 +1,29 @@
+/* The registry of MAR cache policies: the binding finds a policy here by the
+ * name the Python policy carries. A new policy adds one line. */
+#include <string.h>
+
+#include "lazymar.h"
+#include "marche.h"
+#include "mar_policy.h"
+
+extern const mc_mar_policy_ops mc_cfgfree_policy;
+
+const mc_mar_policy_ops *const mc_mar_policies[] = {
+    &mc_nocache_policy,
+    &mc_lazymar_policy,
+    &mc_marche_policy,
+    &mc_cfgfree_policy,
+    NULL,
+};
+
+const mc_mar_policy_ops *mc_mar_policy_find(const char *name) {
+    for (int i = 0; mc_mar_policies[i] != NULL; i++)
+        if (strcmp(mc_mar_policies[i]->schema.name, name) == 0)
+            return mc_mar_policies[i];
+    return NULL;
+}
+
+const mc_config_schema *mc_mar_policy_schema(const char *name) {
+    const mc_mar_policy_ops *ops = mc_mar_policy_find(name);
+    return ops ? &ops->schema : NULL;
+}
