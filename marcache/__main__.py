@@ -15,9 +15,38 @@ DIGITS_MODEL = "digits"
 def cache_policies():
     """CLI name -> cache-policy dataclass. The one place a policy is registered for the
     command line; its fields (and their defaults) are read from the dataclass itself."""
-    import marcache as mc
+    from marcache.policies import POLICIES
 
-    return {"nocache": mc.NoCache, "lazymar": mc.LazyMAR, "marche": mc.MARche}
+    # the class name in lower case: nocache, lazymar, marche, cfgfreelate
+    return {policy.__name__.lower(): policy for policy in POLICIES}
+
+
+def _holds_policy(field):
+    """Whether a policy field holds another policy (CfgFreeLate.inner)."""
+    from marcache.policies import POLICIES
+
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return isinstance(default, POLICIES)
+
+
+def _policy_value(where, value):
+    """A policy-valued field from the command line (a policy name: "lazymar") or from a
+    JSON file (a name, or an object of fields with "policy": NAME)."""
+    if isinstance(value, str):
+        value = {"policy": value.strip()}
+    if not isinstance(value, dict) or "policy" not in value:
+        raise ValueError(f"{where}: expected a policy name or a JSON object with \"policy\"")
+    value = dict(value)
+    name = value.pop("policy")
+    registry = cache_policies()
+    if name not in registry:
+        raise ValueError(f"{where}: unknown cache policy {name!r}; expected one of {', '.join(registry)}")
+    cls = registry[name]
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} has no field {', '.join(unknown)}")
+    return cls(**{k: _coerce(cls.__name__, known[k], v) for k, v in value.items()})
 
 
 def _field_kind(annotation):
@@ -33,6 +62,8 @@ def _field_kind(annotation):
 
 def _coerce(policy, field, value):
     """A --cache-opt string (or a JSON value) as the field's type; a clear ValueError otherwise."""
+    if _holds_policy(field):
+        return _policy_value(f"--cache-opt {field.name}={value!r} ({policy} field holding a policy)", value)
     base, optional = _field_kind(field.type)
     where = f"--cache-opt {field.name}={value!r} ({policy} field of type {base.__name__}" \
             f"{' or none' if optional else ''})"
@@ -161,7 +192,7 @@ def _cmd_caches(args):
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             base, optional = _field_kind(f.type)
-            kind = base.__name__ + (" or none" if optional else "")
+            kind = "policy" if _holds_policy(f) else base.__name__ + (" or none" if optional else "")
             print(f"    {f.name:<22} {kind:<14} default {_describe_default(default)}")
     print("\nuse: --cache NAME --cache-opt FIELD=VALUE ... (or --cache-file policy.json) on generate, sample, "
           "flops and demo")

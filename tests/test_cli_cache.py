@@ -41,7 +41,15 @@ def digits_model():
 # --------------------------------------------------------------------------
 
 def test_registry_holds_every_public_policy_class():
-    assert cache_policies() == {"nocache": mc.NoCache, "lazymar": mc.LazyMAR, "marche": mc.MARche}
+    assert cache_policies() == {"nocache": mc.NoCache, "lazymar": mc.LazyMAR, "marche": mc.MARche,
+                                "cfgfreelate": mc.CfgFreeLate}
+
+
+def test_a_policy_field_that_holds_a_policy_takes_a_name_or_an_object():
+    assert make_cache("cfgfreelate", ["after=0.5", "inner=lazymar"]) == mc.CfgFreeLate(after=0.5, inner=mc.LazyMAR())
+    assert make_cache("cfgfreelate") == mc.CfgFreeLate()
+    with pytest.raises(ValueError, match="unknown cache policy 'lazy'"):
+        make_cache("cfgfreelate", ["inner=lazy"])
 
 
 def test_cache_options_are_typed_by_the_dataclass_fields():
@@ -91,7 +99,8 @@ def test_caches_lists_every_field_with_its_default(capsys):
         for f in dataclasses.fields(cls):
             if isinstance(f.default, tuple):
                 continue  # the retention table is abbreviated; checked below
-            assert any(line.split()[:1] == [f.name] and line.rstrip().endswith(f"default {f.default!r}")
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            assert any(line.split()[:1] == [f.name] and line.rstrip().endswith(f"default {default!r}")
                        for line in out.splitlines()), f"{cls.__name__}.{f.name}"
     assert "retention              tuple          default (64 values: 1.0, 1.0, ..., 0.05)" in out
 
