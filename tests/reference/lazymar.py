@@ -117,17 +117,13 @@ def _known_positions(mask):
     return np.stack(rows).astype(np.int64).reshape(len(rows), -1)
 
 
-def full_transformer(W, tokens, mask, cls_vec, heads):
-    """The plain MAR transformer (mar.md 3.2-3.3) keeping what LazyMAR caches.
-
-    tokens [nseq, S, C], mask [nseq, S] (True = unknown), cls_vec [nseq, D].
-    Returns dict: x (last decoder block output, pre-norm, [nseq, P+S, D]),
-    dec_in (decoder input after embed, mask fill and pos-embed), enc_k/enc_v
-    (per encoder layer [nseq, P+K, D], rows buffer then known tokens in raster
-    order), dec_k/dec_v (per decoder layer [nseq, P+S, D]), enc_rows (P+K)."""
+def encoder_full(W, tokens, mask, cls_vec, heads):
+    """Plain MAR encoder (mar.md 3.2) and the decoder input (3.3 steps 1-3).
+    Returns dict: dec_in [nseq, P+S, D], enc_k/enc_v (per encoder layer, rows
+    buffer then known positions in raster order), enc_rows (P + known)."""
     S = W["diffusion_pos_embed_learned"].shape[1]
     P = W["encoder_pos_embed_learned"].shape[1] - S
-    enc_depth, dec_depth = _depths(W)
+    enc_depth, _ = _depths(W)
     nseq = tokens.shape[0]
     known = _known_positions(mask)
     h = _encoder_front(W, tokens, cls_vec, known, P)
@@ -142,14 +138,29 @@ def full_transformer(W, tokens, mask, cls_vec, heads):
     x = np.broadcast_to(_w(W, "mask_token")[0] + _w(W, "decoder_pos_embed_learned")[0],
                         (nseq, P + S, D)).copy()
     x[np.arange(nseq)[:, None], rows] = _decoder_input_rows(W, E, rows)
+    return dict(dec_in=x, enc_k=enc_k, enc_v=enc_v, enc_rows=P + known.shape[1])
+
+
+def full_transformer(W, tokens, mask, cls_vec, heads):
+    """The plain MAR transformer (mar.md 3.2-3.3) keeping what LazyMAR caches.
+
+    tokens [nseq, S, C], mask [nseq, S] (True = unknown), cls_vec [nseq, D].
+    Returns dict: x (last decoder block output, pre-norm, [nseq, P+S, D]),
+    dec_in (decoder input after embed, mask fill and pos-embed), enc_k/enc_v
+    (per encoder layer [nseq, P+K, D], rows buffer then known tokens in raster
+    order), dec_k/dec_v (per decoder layer [nseq, P+S, D]), enc_rows (P+K)."""
+    front = encoder_full(W, tokens, mask, cls_vec, heads)
+    _, dec_depth = _depths(W)
+    x = front["dec_in"]
     dec_in = x.copy()
+    enc_k, enc_v = front["enc_k"], front["enc_v"]
     dec_k, dec_v = [], []
     for i in range(dec_depth):
         x, k, v = _block(W, "decoder_blocks.%d" % i, x, heads)
         dec_k.append(k)
         dec_v.append(v)
     return dict(x=x, dec_in=dec_in, enc_k=enc_k, enc_v=enc_v, dec_k=dec_k, dec_v=dec_v,
-                enc_rows=P + known.shape[1])
+                enc_rows=front["enc_rows"])
 
 
 def condition_rows(W, x, rows_seq, rows_pos):

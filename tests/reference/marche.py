@@ -104,28 +104,8 @@ def select_active(rel, forced, n_active, P, candidates="all", refresh="high"):
 # Transformer pieces
 # ==========================================================================
 
-def encoder_full(W, tokens, mask, cls_vec, heads):
-    """Plain MAR encoder (mar.md 3.2) and the decoder input (3.3 steps 1-3).
-    Returns dict: dec_in [nseq, P+S, D], enc_k/enc_v (per encoder layer, rows
-    buffer then known positions in raster order), enc_rows (P + known)."""
-    S = W["diffusion_pos_embed_learned"].shape[1]
-    P = W["encoder_pos_embed_learned"].shape[1] - S
-    enc_depth, _ = LZ._depths(W)
-    nseq = tokens.shape[0]
-    known = LZ._known_positions(mask)
-    h = LZ._encoder_front(W, tokens, cls_vec, known, P)
-    enc_k, enc_v = [], []
-    for i in range(enc_depth):
-        h, k, v = LZ._block(W, "encoder_blocks.%d" % i, h, heads)
-        enc_k.append(k)
-        enc_v.append(v)
-    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
-    D = _w(W, "decoder_embed.weight").shape[0]
-    rows = np.concatenate([np.broadcast_to(np.arange(P), (nseq, P)), P + known], axis=1)
-    x = np.broadcast_to(_w(W, "mask_token")[0] + _w(W, "decoder_pos_embed_learned")[0],
-                        (nseq, P + S, D)).copy()
-    x[np.arange(nseq)[:, None], rows] = LZ._decoder_input_rows(W, E, rows)
-    return dict(dec_in=x, enc_k=enc_k, enc_v=enc_v, enc_rows=P + known.shape[1])
+# Plain MAR encoder and decoder input: the same as LazyMAR's full step computes.
+encoder_full = LZ.encoder_full
 
 
 def decoder_full(W, x, heads):
