@@ -10,6 +10,7 @@ The engine's per-step telemetry uses the same rules and must agree. The block
 formulas live in marcache/mar_family.py and each policy's step model in its module
 under marcache/policies/.
 """
+import numbers
 from dataclasses import dataclass, field
 from typing import List
 
@@ -67,8 +68,8 @@ def flops(model_or_name, steps=64, cfg=1.0, cache=None, batch=1, diffusion_steps
     else:
         c = model_or_name.config
         diffusion_steps = c.get("diffusion_steps", diffusion_steps)
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= 2**31 - 1:
+        raise ValueError(f"steps must be an integer in 1..2**31-1, got {steps!r}")
     cfg_on = cfg != 1.0
     head_cache = cache.head_cache_config(cfg_on)
     S = c["seq_len"]

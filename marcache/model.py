@@ -11,12 +11,28 @@ from . import _driver
 from .policies import resolve as _resolve_cache
 
 
+# What `python -m marcache convert` calls each kind of file a loader takes.
+_CONVERT_KIND = {"MAR model": "mar", "VAE": "vae-kl16"}
+
+
 def _check_path(path, what):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{what} file not found: {path}")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{what} path is a directory, expected a .safetensors file: {path}")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    # torch.save writes a zip (PK\x03\x04) since PyTorch 1.6 and a pickle stream (PROTO
+    # opcode \x80, protocol 2..5) before; read as safetensors, either gives a nonsense header
+    # length. A safetensors file has its JSON header's "{" at byte 8, which tells it apart
+    # from a pickle whose first bytes happen to read as a small header length.
+    pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and head[8:9] != b"{"
+    if head[:4] == b"PK\x03\x04" or pickled:
+        kind = _CONVERT_KIND.get(what, "<kind>")
+        raise ValueError(f"{what} {path} is a PyTorch checkpoint (torch.save), not a safetensors file: convert "
+                         f"it first, without PyTorch: python -m marcache convert {kind} {path} -o "
+                         f"{os.path.splitext(os.path.basename(path))[0]}.safetensors")
     return path
 
 
@@ -190,8 +206,8 @@ class MARModel:
         trace_rows=True adds to each cached step's telemetry the decoder rows a cache
         policy kept (LazyMAR) or made active (MARche): int32 [sequences, rows], ascending."""
         label_arr = self._labels(labels, num_images)
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 2**31 - 1:
+            raise ValueError(f"steps must be an integer in 1..2**31-1, got {steps!r}")
         if not np.isfinite(cfg) or cfg < 0:
             raise ValueError(f"cfg must be a finite number >= 0, got {cfg!r}")
         if not np.isfinite(temperature) or temperature <= 0:
@@ -223,7 +239,8 @@ class MARModel:
         Image j of a call is image first_index + j of the seed's sequence, the
         same whatever the batch it is generated in (so a sweep can be split
         into shards). labels=None with num_images=N generates unconditionally.
-        With return_info=True returns (images, GenerationInfo).
+        With return_info=True returns (images, GenerationInfo). progress=True shows a
+        tqdm bar of the AR steps; progress="auto" shows it only when stderr is a terminal.
         """
         if self._vae is None:
             raise ValueError("this model was loaded without a VAE: pass vae='kl16.safetensors' to marcache.load, "

@@ -1,6 +1,7 @@
 /* MAR forward passes (spec mar.md sections 3 and 5) on the backend op table. */
 #include "mar.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -103,10 +104,13 @@ static mc_status read_int_metadata(const mc_st_file *file, const char *key, int6
     if (text == NULL)
         return MC_OK;
     char *end = NULL;
+    errno = 0;
     long long parsed = strtoll(text, &end, 10);
-    if (end == text || *end != '\0' || parsed <= 0)
-        return mc_fail(err, MC_ERR_VALUE, "%s: metadata '%s' = '%s' is not a positive integer",
-                       file->path, key, text);
+    /* ERANGE: strtoll clamps an out-of-range value to LLONG_MAX, which would then be
+     * reported as if the file said 9223372036854775807. */
+    if (end == text || *end != '\0' || parsed <= 0 || errno == ERANGE)
+        return mc_fail(err, MC_ERR_VALUE, "%s: metadata '%s' = '%s' is not a positive integer%s",
+                       file->path, key, text, errno == ERANGE ? " (too large for a 64-bit integer)" : "");
     *value = parsed;
     return MC_OK;
 }

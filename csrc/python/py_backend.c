@@ -88,7 +88,7 @@ mc_status mcpy_load_model(const char *path, const char *device, int threads, mc_
 
 int mcpy_ensure_lock(PyThread_type_lock *lock) {
     if (*lock == NULL && (*lock = PyThread_allocate_lock()) == NULL) {
-        PyErr_NoMemory();
+        mcpy_no_memory("a model lock", sizeof(void *));
         return -1;
     }
     return 0;

@@ -127,7 +127,8 @@ static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
     mc_aligned_free(c);
     mc_backend_destroy(be);
     if (failed)
-        return err.status != MC_OK ? mcpy_raise(&err) : PyErr_NoMemory();
+        return err.status != MC_OK ? mcpy_raise(&err)
+                                    : mcpy_no_memory("the sgemm probe's matrices", (size_t)(m * k + n * k + m * n) * sizeof(float));
     return PyFloat_FromDouble(best);
 }
 
@@ -154,7 +155,7 @@ static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
         Py_DECREF(fast);
         PyMem_Free(sizes);
         PyMem_Free(reserved);
-        return PyErr_NoMemory();
+        return mcpy_no_memory("the pool probe's size lists", ((size_t)count + 1 + (size_t)rounds) * 8);
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         sizes[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, i));

@@ -78,7 +78,7 @@ static int fill_policy(PyObject *value, const char *what, const mc_config_field 
     }
     void *config = PyMem_Calloc(1, schema->size);
     if (config == NULL) {
-        PyErr_NoMemory();
+        mcpy_no_memory("a composed policy's configuration", schema->size);
         return -1;
     }
     if (mcpy_fill_config(value, name, schema->fields, config, schema->size, "policy") < 0) {

@@ -87,7 +87,7 @@ static PyObject *py_safetensors_read(PyObject *self, PyObject *path_arg) {
     }
     arrays = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *arrays);
     if (arrays == NULL) {
-        PyErr_NoMemory();
+        mcpy_no_memory("the list of tensors", (n > 0 ? (size_t)n : 1) * sizeof *arrays);
         goto done;
     }
     for (int64_t i = 0; i < n; i++) {

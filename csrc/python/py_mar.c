@@ -141,7 +141,7 @@ static const mc_mar_policy_ops *parse_policy(PyObject *cache, const mc_mar_confi
     }
     *config = PyMem_Calloc(1, ops->schema.size);
     if (*config == NULL) {
-        PyErr_NoMemory();
+        mcpy_no_memory("the cache policy's configuration", ops->schema.size);
         return NULL;
     }
     mc_err err = {0};
@@ -256,7 +256,7 @@ static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
     known = PyMem_Malloc((size_t)(B * S + 1) * sizeof(int32_t));
     out_rows = PyMem_Malloc((size_t)(B * S + 1) * sizeof(int32_t));
     if (!known || !out_rows) {
-        PyErr_NoMemory();
+        mcpy_no_memory("the known and output row lists", 2 * (size_t)(B * S + 1) * sizeof(int32_t));
         goto done;
     }
     for (int64_t b = 0; b < B; b++) {

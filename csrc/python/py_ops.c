@@ -953,7 +953,7 @@ static int check_indices(op_call *call, const operand *idx, int64_t limit, int d
     const int32_t *values = PyArray_DATA(idx->host);
     unsigned char *seen = NULL;
     if (distinct && limit > 0 && (seen = PyMem_Calloc((size_t)limit, 1)) == NULL) {
-        PyErr_NoMemory();
+        mcpy_no_memory("the index check's table", (size_t)limit);
         return -1;
     }
     int result = 0;
@@ -1057,10 +1057,8 @@ static PyObject *run_attention(op_call *call) {
     int64_t batch = q->shape[0], nq = q->shape[1], width = q->shape[2];
     int nsegs = (int)((n_inputs - 1) / 2);
     mc_kv_segment *segs = PyMem_Calloc((size_t)nsegs, sizeof *segs);
-    if (segs == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
+    if (segs == NULL)
+        return mcpy_no_memory("the K/V segment list", (size_t)nsegs * sizeof *segs);
     call->segments = segs;
     operand *keys_of[8], *values_of[8];
     int64_t total_keys = 0;
@@ -1563,7 +1561,7 @@ static PyObject *py_run_op(PyObject *self, PyObject *args) {
     call.operand_capacity = (int)PyTuple_GET_SIZE(inputs) + 1;
     call.operands = PyMem_Calloc((size_t)call.operand_capacity, sizeof(operand));
     if (call.operands == NULL)
-        return PyErr_NoMemory();
+        return mcpy_no_memory("the op's operand list", (size_t)call.operand_capacity * sizeof(operand));
     if (backend->create(&call.backend, threads, &call.err) != MC_OK) {
         PyMem_Free(call.operands);
         return mcpy_raise(&call.err);

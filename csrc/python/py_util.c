@@ -37,3 +37,8 @@ void mcpy_format_shape(char *buf, size_t size, int ndim, const int64_t *dims) {
     if (used < size)
         snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
 }
+
+PyObject *mcpy_no_memory(const char *what, size_t bytes) {
+    PyErr_Format(PyExc_MemoryError, "cannot allocate %s (%.1f MiB)", what, (double)bytes / (1024.0 * 1024.0));
+    return NULL;
+}

@@ -16,6 +16,10 @@
 /* Raises the Python exception matching err->status with err->msg; returns NULL. */
 PyObject *mcpy_raise(const mc_err *err);
 
+/* MemoryError naming what could not be allocated and its size (PyErr_NoMemory's
+ * MemoryError has no message, which tells a user nothing). Returns NULL. */
+PyObject *mcpy_no_memory(const char *what, size_t bytes);
+
 /* Ctrl-C polling from GIL-free C loops: the loop calls mcpy_cancel_check
  * (an `int (*)(void *)` cancel callback) with a context holding the saved
  * thread state; it takes the GIL back just long enough to run the signal

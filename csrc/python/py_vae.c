@@ -168,7 +168,7 @@ static PyObject *vae_decode_impl(VAEObject *self, PyObject *obj, int as_uint8) {
         if (image == NULL) {
             Py_DECREF(tokens);
             Py_DECREF(out);
-            return PyErr_NoMemory();
+            return mcpy_no_memory("one decoded image", (size_t)image_floats * sizeof(float));
         }
     }
     const float *tok = PyArray_DATA(tokens);

@@ -1,0 +1,73 @@
+"""Messages a newcomer meets (issue 17, point 5): each names the problem and what to do."""
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import marcache as mc
+from marcache import digits
+from mar_fixtures import write_tiny_mar
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("messages") / "tiny.safetensors"
+    write_tiny_mar(path)
+    return str(path)
+
+
+def test_an_unconverted_zip_checkpoint_says_to_convert_it(tmp_path):
+    path = tmp_path / "checkpoint-last.pth"
+    with zipfile.ZipFile(path, "w") as z:  # the layout torch.save has written since PyTorch 1.6
+        z.writestr("archive/data.pkl", pickle.dumps({"model_ema": {}}))
+    with pytest.raises(ValueError, match=r"is a PyTorch checkpoint .*python -m marcache convert mar "
+                                         r".*checkpoint-last\.pth -o checkpoint-last\.safetensors"):
+        mc.load(path)
+
+
+def test_an_unconverted_legacy_checkpoint_says_to_convert_it(tmp_path, tiny):
+    path = tmp_path / "kl16.ckpt"
+    path.write_bytes(pickle.dumps({"state_dict": {}}, protocol=2))  # legacy torch.save: a pickle stream
+    with pytest.raises(ValueError, match=r"VAE .*kl16\.ckpt is a PyTorch checkpoint.*convert vae-kl16"):
+        mc.load(tiny, vae=path)
+
+
+def test_steps_beyond_int32_name_steps(tiny):
+    model = mc.load(tiny)
+    for steps in (10**12, 2**31):
+        with pytest.raises(ValueError, match=r"steps must be an integer in 1\.\.2\*\*31-1, got %d" % steps):
+            model.generate_tokens(labels=[1], steps=steps)
+        with pytest.raises(ValueError, match=r"steps must be an integer in 1\.\.2\*\*31-1"):
+            mc.flops("mar_base", steps=steps)
+
+
+def test_a_heads_value_beyond_int64_is_reported_as_written(tmp_path):
+    W = write_tiny_mar(tmp_path / "plain.safetensors")
+    too_large = "9" * 25
+    path = tmp_path / "huge_heads.safetensors"
+    save_file({k: v.astype(np.float32) for k, v in W.items()}, str(path), metadata={"heads": too_large})
+    with pytest.raises(ValueError, match=r"metadata 'heads' = '%s' is not a positive integer \(too large for a "
+                                         r"64-bit integer\)" % too_large):
+        mc.load(path)
+
+
+def test_memory_error_names_what_and_how_much():
+    model = digits.load_model()
+    with pytest.raises(MemoryError, match=r"\d+\.?\d* [GMT]i?B"):
+        model.generate_tokens(num_images=10**9, steps=1)
+
+
+def test_progress_auto_shows_no_bar_when_stderr_is_not_a_terminal():
+    code = ("from marcache import digits; m = digits.load_model(); "
+            "m.generate_tokens(labels=[1], steps=3, progress='auto'); "
+            "m.generate_tokens(labels=[1], steps=3, progress=True)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(__file__),
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # exactly one bar (progress=True), none from progress="auto" on a pipe
+    assert proc.stderr.count("0/3") == 1, proc.stderr
