@@ -289,7 +289,7 @@ class MARModel:
         return self._vae.decode(np.ascontiguousarray(tokens, np.float32))
 
 
-# What each `kind` written by `marcache convert` holds (marcache/convert.py KINDS).
+# What each `kind` written by `marcache convert` holds (marcache/convert/kinds.py KINDS).
 _KIND_DESCRIPTIONS = {
     "mar": "a MAR model",
     "vae-kl16": "a KL-16 VAE decoder",

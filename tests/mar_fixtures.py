@@ -66,3 +66,85 @@ def amplified_tiny(tmp_dir, seed=1):
     """(load(diffusion_steps) -> model, W): the AMPLIFIED model written under tmp_dir."""
     W = amplified_mar_weights(seed, **AMPLIFIED)
     return model_loader(tmp_dir / "tiny.safetensors", W, AMPLIFIED["heads"]), W
+
+
+def v_dominant(W, eps_gain=0.0, cond_gain=1.0):
+    """W with the head's eps outputs (rows 0..C-1 of final_layer.linear) scaled by
+    eps_gain and its condition path (cond_embed, the final layer's adaLN) by cond_gain,
+    for tests in which the learned variance v decides the tokens.
+
+    Every token starts as x0 = 2.03e4 (x - eps) at the first DDPM step; with random eps
+    that, and the eps of every later step, swamps the noise whose scale v sets (taking v
+    from the wrong row moved the tokens by ~3e-8 of their largest value). With eps
+    zeroed the eps terms are gone, and at a high temperature (comparisons.V_TEMPERATURE
+    = 300) the noise, exp(v-interpolated log variance / 2) per step, is of the order of
+    the tokens; cond_gain makes v differ between the conditional and unconditional rows
+    so that guidance on v, or v from the wrong row, shows too."""
+    out = dict(W)
+    C = W["z_proj.weight"].shape[1]
+    for name in (R.HEAD + "final_layer.linear.weight", R.HEAD + "final_layer.linear.bias"):
+        t = np.array(W[name], dtype=np.float32)
+        t[:C] *= np.float32(eps_gain)
+        out[name] = t
+    for name in (R.HEAD + "cond_embed.weight", R.HEAD + "final_layer.adaLN_modulation.1.weight"):
+        out[name] = (np.asarray(W[name], np.float32) * np.float32(cond_gain)).astype(np.float32)
+    return out
+
+
+EMBEDDINGS = ("fake_latent", "encoder_pos_embed_learned", "mask_token", "decoder_pos_embed_learned",
+              "diffusion_pos_embed_learned", "class_emb.weight")
+
+
+def small_activations(W, scale=1e-2, fc1_gain=8.0):
+    """W transformed so that every LayerNorm sees inputs of size ~scale (variance
+    ~1e-4, where eps 1e-6 against 1e-5 changes the normalised output by ~4%, instead
+    of the random model's variance 0.25-1, where eps hardly matters), and the GELU
+    sees pre-activations of size ~1-3 (where erf- and tanh-GELU differ by ~1e-4 to
+    1e-3; near 0 they agree to O(x^4)):
+
+    * embeddings, z_proj, and the affine weights of z_proj_ln / encoder_norm times
+      `scale` (the residual streams start ~scale);
+    * attn.proj, mlp.fc2 (and biases) and decoder_embed times `scale`, so blocks add
+      ~scale to the stream; norm1 / norm2 / decoder_norm keep weights ~1;
+    * mlp.fc1 times fc1_gain;
+    * the head's input_proj and res-block mlp.2 times `scale` (h ~scale for in_ln and
+      the final layer's norm)."""
+    out = {}
+    small = lambda n: any(n == e for e in EMBEDDINGS) or n.startswith(("z_proj.", "z_proj_ln.", "encoder_norm.",
+                                                                         "decoder_embed.")) \
+        or ".attn.proj." in n or ".mlp.fc2." in n \
+        or n.startswith(R.HEAD + "input_proj.") or (n.startswith(R.HEAD + "res_blocks.") and ".mlp.2." in n)
+    for name, t in W.items():
+        t = np.asarray(t, np.float32)
+        if small(name):
+            t = t * np.float32(scale)
+        elif ".mlp.fc1.weight" in name:
+            t = t * np.float32(fc1_gain)
+        out[name] = t.astype(np.float32)
+    return out
+
+
+def save_bf16(W, path, metadata=None):
+    """Writes W as a BF16 safetensors file (numpy has no bfloat16, so the safetensors
+    package cannot): each float32 rounded to nearest even in bf16 (reference.ops.
+    round_to_wtype), its top 16 bits stored. Returns the float32 values the file holds."""
+    import json
+    import struct
+
+    from reference import ops
+
+    header, chunks, offset, held = {}, [], 0, {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    for name, t in W.items():
+        rounded = ops.round_to_wtype(np.asarray(t, np.float32), "bf16")
+        held[name] = rounded
+        data = (rounded.view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(rounded.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+    return held

@@ -92,13 +92,24 @@ def test_fid_equals_direct_adm_formula_on_random_stats(method):
 
 
 def test_fid_auto_uses_sqrtm_with_scipy_and_numpy_without(monkeypatch):
+    """Which method ran is recorded by wrapping the three trace-of-sqrt functions."""
     rng = np.random.default_rng(3)
     a = (rng.standard_normal(8), random_spd(rng, 8))
     b = (rng.standard_normal(8), random_spd(rng, 8))
     sym = ev.fid(a, b, method="symmetric")
-    assert ev.fid(a, b) == pytest.approx(sym, rel=1e-9)
+    ran = []
+    for name in ("_trace_sqrt_sqrtm", "_trace_sqrt_eigvals", "_trace_sqrt_symmetric"):
+        def recording(*args, _name=name, _inner=getattr(ev, name)):
+            ran.append(_name)
+            return _inner(*args)
+        monkeypatch.setattr(ev, name, recording)
+    if HAVE_SCIPY:
+        assert ev.fid(a, b) == pytest.approx(sym, rel=1e-9)
+        assert ran == ["_trace_sqrt_sqrtm"]
+    ran.clear()
     monkeypatch.setattr(ev, "_have_scipy", lambda: False)
     assert ev.fid(a, b) == pytest.approx(sym, rel=1e-12)
+    assert ran == ["_trace_sqrt_symmetric"]
     with pytest.raises(ImportError, match="symmetric"):
         ev.fid(a, b, method="sqrtm")
     with pytest.raises(ValueError, match="method"):

@@ -8,6 +8,7 @@ import marcache as mc
 from marcache import _C
 from mar_fixtures import write_tiny_mar
 from reference import ops as ref
+from tolerance import assert_close
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,13 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("heads,hd", [(12, 64), (16, 80)])
 def test_merged_attention_equals_concatenated(fresh, cached, heads, hd):
     """Attention over a fresh and a cached K/V segment (merged by running max and sum of
-    exponentials) equals attention over their concatenation, to 1e-6 relative in fp32."""
+    exponentials) equals attention over their concatenation, element by element.
+
+    Each output is a convex combination of up to 320 rows of v (|v| <= ~4.5), so an
+    element carries float32 roundings of partial sums of size ~1 (6e-8 each) whatever
+    its own size: merged against concatenated, atol 4e-7 (measured worst 2.6e-7; the
+    old bar, 1e-6 of the largest output, was 4.1e-7 to 4.1e-6); against the float64
+    reference atol 1.5e-6 (measured 7.3e-7; old 4.1e-6 to 4.1e-5)."""
     if fresh + cached == 0:
         pytest.skip("no keys")
     rng = np.random.default_rng(fresh * 1000 + cached + hd)
@@ -32,10 +39,9 @@ def test_merged_attention_equals_concatenated(fresh, cached, heads, hd):
     merged = _C.run_op("cpu", "attention", (q, kf, vf, kc, vc), {"heads": heads})
     concat = _C.run_op("cpu", "attention", (q, np.concatenate([kf, kc], 1), np.concatenate([vf, vc], 1)),
                        {"heads": heads})
-    err = np.abs(merged - concat).max() / np.abs(concat).max()
-    assert err <= 1e-6
+    assert_close(merged, concat, 0.0, 4e-7, "merged against concatenated")
     want = ref.attention(q, [(kf, vf), (kc, vc)], heads)
-    assert np.abs(merged - want).max() / np.abs(want).max() <= 1e-5
+    assert_close(merged, want, 0.0, 1.5e-6, "merged against the float64 reference")
 
 
 def test_defaults_follow_the_paper():
@@ -91,7 +97,8 @@ def test_marche_changes_the_computation_and_is_batch_invariant(model):
     cached = model.generate_tokens(labels=[3, 4, 5], steps=16, cfg=3.0, seed=8, cache=mc.MARche(budget=40))
     assert not np.array_equal(plain, cached)
     alone = model.generate_tokens(labels=[4], steps=16, cfg=3.0, seed=8, first_index=1, cache=mc.MARche(budget=40))
-    assert np.abs(alone[0] - cached[1]).max() <= 1e-4 * np.abs(cached[1]).max()
+    # float32 row splits of other batch sizes only: 1e-5 of each token's largest channel
+    assert_close(alone[0], cached[1], 0.0, 1e-5 * np.abs(cached[1]).max(axis=-1, keepdims=True), "image 1 alone")
 
 
 def test_flop_ceiling_of_the_decoder_only_reading():

@@ -26,14 +26,16 @@ def close_report(actual, ref, rtol, atol):
     share = err / np.maximum(allowed, 1e-300)
     worst = np.unravel_index(int(np.argmax(share)), a.shape)
     failing = int((err > allowed).sum())
-    msg = (f"{failing} of {a.size} elements outside rtol={rtol:g}, atol={atol:g}; worst at "
+    atol_text = f"{atol:g}" if np.ndim(atol) == 0 else f"per element, {np.min(atol):.3g} to {np.max(atol):.3g}"
+    msg = (f"{failing} of {a.size} elements outside rtol={rtol:g}, atol={atol_text}; worst at "
            f"{tuple(int(i) for i in worst)}: got {a[worst]!r}, reference {r[worst]!r}, "
            f"|diff| {err[worst]:.3g} vs allowed {allowed[worst]:.3g}")
     return failing == 0, msg
 
 
 def assert_close(actual, ref, rtol, atol, what="value"):
-    """Asserts |actual - ref| <= rtol * |ref| + atol element by element, naming `what`."""
+    """Asserts |actual - ref| <= rtol * |ref| + atol element by element, naming `what`.
+    atol may be an array broadcast against ref (e.g. a per-row float32 scale)."""
     ok, msg = close_report(actual, ref, rtol, atol)
     assert ok, f"{what}: {msg}"
 

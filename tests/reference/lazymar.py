@@ -30,6 +30,15 @@ from . import ops, philox
 LN_EPS = R.LN_EPS
 HEAD = R.HEAD
 
+# lazymar.md 5.4, the 64-step retention table, written out (not read from marcache):
+# steps 0-19 1.0, 20 0.6, 21-24 0.5, 25-29 0.4, 30-34 0.15, 35-39 0.12, 40-63 0.05.
+RETENTION_64 = (
+    1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,   # 0-15
+    1.0, 1.0, 1.0, 1.0, 0.6, 0.5, 0.5, 0.5, 0.5, 0.4, 0.4, 0.4, 0.4, 0.4, 0.15, 0.15,  # 16-31
+    0.15, 0.15, 0.15, 0.12, 0.12, 0.12, 0.12, 0.12, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05,  # 32-47
+    0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05,  # 48-63
+)
+
 
 # ==========================================================================
 # Transformer pieces (mar.md section 3.1) split at the points LazyMAR needs
@@ -42,7 +51,7 @@ def _w(W, name):
 def _qkv(W, prefix, x):
     """LN1 and the QKV projection of a block: returns q, k, v [..., rows, dim]."""
     dim = x.shape[-1]
-    a = ops.layernorm(x, _w(W, prefix + ".norm1.weight"), _w(W, prefix + ".norm1.bias"), LN_EPS)
+    a = ops.layernorm(x, _w(W, prefix + ".norm1.weight"), _w(W, prefix + ".norm1.bias"), R.ln_eps("norm1"))
     qkv = ops.linear(a, _w(W, prefix + ".attn.qkv.weight"), _w(W, prefix + ".attn.qkv.bias"))
     return qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]
 
@@ -56,7 +65,7 @@ def _attn_residual(W, prefix, x, q, k, v, heads):
 
 def _mlp_residual(W, prefix, x):
     """x + MLP(LN2 x)."""
-    m = ops.layernorm(x, _w(W, prefix + ".norm2.weight"), _w(W, prefix + ".norm2.bias"), LN_EPS)
+    m = ops.layernorm(x, _w(W, prefix + ".norm2.weight"), _w(W, prefix + ".norm2.bias"), R.ln_eps("norm2"))
     m = ops.linear(m, _w(W, prefix + ".mlp.fc1.weight"), _w(W, prefix + ".mlp.fc1.bias"), act=ops.ACT_GELU)
     return ops.linear(m, _w(W, prefix + ".mlp.fc2.weight"), _w(W, prefix + ".mlp.fc2.bias"), beta=1.0, y=x)
 
@@ -89,7 +98,7 @@ def _encoder_front(W, tokens, cls_vec, positions, P):
     rows_tok = tokens[np.arange(nseq)[:, None], positions]                     # [nseq, K, C]
     y = ops.linear(rows_tok, _w(W, "z_proj.weight"), _w(W, "z_proj.bias")) + pos[P + positions]
     h = np.concatenate([buf, y], axis=1)
-    return ops.layernorm(h, _w(W, "z_proj_ln.weight"), _w(W, "z_proj_ln.bias"), LN_EPS)
+    return ops.layernorm(h, _w(W, "z_proj_ln.weight"), _w(W, "z_proj_ln.bias"), R.ln_eps("z_proj_ln"))
 
 
 def _decoder_input_rows(W, E, rows):
@@ -127,7 +136,7 @@ def full_transformer(W, tokens, mask, cls_vec, heads):
         h, k, v = _block(W, "encoder_blocks.%d" % i, h, heads)
         enc_k.append(k)
         enc_v.append(v)
-    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), LN_EPS)
+    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
     D = _w(W, "decoder_embed.weight").shape[0]
     rows = np.concatenate([np.broadcast_to(np.arange(P), (nseq, P)), P + known], axis=1)
     x = np.broadcast_to(_w(W, "mask_token")[0] + _w(W, "decoder_pos_embed_learned")[0],
@@ -149,7 +158,7 @@ def condition_rows(W, x, rows_seq, rows_pos):
     S = W["diffusion_pos_embed_learned"].shape[1]
     P = W["encoder_pos_embed_learned"].shape[1] - S
     sel = x[rows_seq, P + rows_pos]
-    z = ops.layernorm(sel, _w(W, "decoder_norm.weight"), _w(W, "decoder_norm.bias"), LN_EPS)
+    z = ops.layernorm(sel, _w(W, "decoder_norm.weight"), _w(W, "decoder_norm.bias"), R.ln_eps("decoder_norm"))
     return z + _w(W, "diffusion_pos_embed_learned")[0][rows_pos]
 
 
@@ -178,7 +187,8 @@ def _head_modulation(W, j, y_act):
 def _head_mlp(W, j, h, shift, scale):
     """The res block's MLP output (mlp.2 output, before the gate)."""
     r = HEAD + "res_blocks.%d." % j
-    u = ops.layernorm(h, _w(W, r + "in_ln.weight"), _w(W, r + "in_ln.bias"), LN_EPS, shift=shift, scale=scale)
+    u = ops.layernorm(h, _w(W, r + "in_ln.weight"), _w(W, r + "in_ln.bias"), R.ln_eps("head_in_ln"),
+                      shift=shift, scale=scale)
     u = ops.linear(u, _w(W, r + "mlp.0.weight"), _w(W, r + "mlp.0.bias"), act=ops.ACT_SILU)
     return ops.linear(u, _w(W, r + "mlp.2.weight"), _w(W, r + "mlp.2.bias"))
 
@@ -187,7 +197,7 @@ def _head_final(W, h, y_act):
     w = lambda n: _w(W, HEAD + n)  # noqa: E731
     m = ops.linear(y_act, w("final_layer.adaLN_modulation.1.weight"), w("final_layer.adaLN_modulation.1.bias"))
     width = h.shape[-1]
-    u = ops.layernorm(h, None, None, LN_EPS, shift=m[:, :width], scale=m[:, width:])
+    u = ops.layernorm(h, None, None, R.ln_eps("head_final"), shift=m[:, :width], scale=m[:, width:])
     return ops.linear(u, w("final_layer.linear.weight"), w("final_layer.linear.bias"))
 
 
@@ -225,9 +235,12 @@ def head_forward_cached(W, x, t, c, cache, j_index, num_steps, lz):
     now. The final layer is always computed. Returns [n, 2C]."""
     y_act = _head_cond(W, t, c)
     h = ops.linear(ops.f64(x), _w(W, HEAD + "input_proj.weight"), _w(W, HEAD + "input_proj.bias"))
-    recompute = j_index > lz.head_recompute_above * num_steps
+    recompute = j_index > lz.head_recompute_above * num_steps - (1 if R.mutated("head_recompute_off_by_one") else 0)
+    if R.mutated("head_never_recompute"):
+        recompute = False
+    skip_last = lz.head_skip_last + (1 if R.mutated("head_skip_off_by_one") else 0)
     for j in range(_head_depth(W)):
-        if lz.head_skip_first <= j <= lz.head_skip_last:
+        if lz.head_skip_first <= j <= skip_last:
             h = h + cache["delta"][j]
             continue
         shift, scale, gate = _head_modulation(W, j, y_act)
@@ -235,6 +248,22 @@ def head_forward_cached(W, x, t, c, cache, j_index, num_steps, lz):
             cache["mlp"][j] = _head_mlp(W, j, h, shift, scale)
         h = ops.gated_add(h, cache["mlp"][j], gate)
     return _head_final(W, h, y_act)
+
+
+def _cached_step_v(v, eps, v_full, delta_v, cfg_on, cfg_scale):
+    """v of a cached head timestep: the conditional rows' own, just computed. The
+    variants (tests/mutations.py): "cached_v_cfg" guidance also on v with the v
+    difference of the last full timestep; "cached_v_stale" the v of the last full
+    timestep; "cached_v_from_eps" the eps columns; "cached_v_ignored" v = -1."""
+    if R.mutated("cached_v_cfg") and cfg_on:
+        v = v + (float(cfg_scale) - 1.0) * delta_v
+    if R.mutated("cached_v_stale"):
+        v = v_full
+    if R.mutated("cached_v_from_eps"):
+        v = eps
+    if R.mutated("cached_v_ignored"):
+        v = -np.ones_like(v)
+    return v
 
 
 def head_sample_lazymar(W, z_cond, z_uncond, images, positions, seed, temperature, cfg_scale, tables, lz):
@@ -250,7 +279,7 @@ def head_sample_lazymar(W, z_cond, z_uncond, images, positions, seed, temperatur
     T = len(tables["timesteps"])
     x = ops.f64(philox.token_normals(seed, images, positions, philox.STREAM_HEAD_INIT, 0, ch))
     cache = {}
-    delta_eps = None
+    delta_eps = delta_v = v_full = None
     cached_evals = 0
     for j in range(T - 1, -1, -1):
         t = int(tables["timesteps"][j])
@@ -259,23 +288,25 @@ def head_sample_lazymar(W, z_cond, z_uncond, images, positions, seed, temperatur
             cap = {}
             if cfg_on:
                 out = head_forward(W, np.concatenate([x, x]), t, np.concatenate([z_cond, z_uncond]), cap)
-                e_c, e_u = out[:n, :ch], out[n:, :ch]
-                eps = ops.cfg_combine(e_c, e_u, cfg_scale, ch)
-                v = out[:n, ch:2 * ch]
-                delta_eps = e_c - e_u
+                eps, v = R.guided_eps_v(out[:n], out[n:], cfg_scale, ch)
+                delta_eps = out[:n, :ch] - out[n:, :ch]
+                delta_v = out[:n, ch:2 * ch] - out[n:, ch:2 * ch]
+                if R.mutated("head_cfg_delta_reversed"):
+                    delta_eps = -delta_eps
             else:
                 out = head_forward(W, x, t, z_cond, cap)
-                eps, v = out[:, :ch], out[:, ch:2 * ch]
-            cache = dict(mlp={j_: u[:n] for j_, u in cap["mlp"].items()},
-                         delta={j_: d[:n] for j_, d in cap["delta"].items()})
+                eps, v = R.guided_eps_v(out, None, cfg_scale, ch)
+            v_full = v
+            keep = slice(n, 2 * n) if R.mutated("head_cache_from_uncond") and cfg_on else slice(0, n)
+            cache = dict(mlp={j_: u[keep] for j_, u in cap["mlp"].items()},
+                         delta={j_: d[keep] for j_, d in cap["delta"].items()})
         else:
             cached_evals += 1
             out = head_forward_cached(W, x, t, z_cond, cache, j, T, lz)
             e_c, v = out[:, :ch], out[:, ch:2 * ch]
             eps = e_c + (float(cfg_scale) - 1.0) * delta_eps if cfg_on else e_c
-        noise = None
-        if j != 0:
-            noise = philox.token_normals(seed, images, positions, philox.STREAM_HEAD_STEP, j, ch)
+            v = _cached_step_v(v, eps, v_full, delta_v, cfg_on, cfg_scale)
+        noise = R.step_noise(seed, images, positions, j, ch)
         x = ops.ddpm_step(x, eps, v, noise, R.ddpm_coefs(tables, j, temperature))
     return x, cached_evals
 
@@ -292,7 +323,8 @@ def is_full_step(lz, s):
 def keep_count(lz, s, steps, m, p, rows):
     """Kept decoder rows per cached sequence (section 5.3 item 3, marcache
     conventions): table index floor(s * 64 / steps) (at most 63)."""
-    r = lz.retention[min(63, (s * 64) // steps)]
+    s_table = s - 1 if R.mutated("retention_step_off_by_one") else s
+    r = lz.retention[min(63, (s_table * 64) // steps)]
     by_table = int(np.floor(rows * float(np.float32(r))))
     return min(rows, max(m + p + lz.margin, by_table))
 
@@ -327,6 +359,13 @@ def cfg_sequences(W, labels_or_None, num_images, cfg, cond_cache):
     if cfg_on:
         cls = np.concatenate([cls, np.repeat(_w(W, "fake_latent"), B, axis=0)])
     return cfg_on, use_cond, nseq, cls, np.arange(nseq) % B
+
+
+def cond_diff(x, B):
+    """The condition cache's difference x_uncond - x_cond at the last decoder block
+    (lazymar.md 4; marche.md uses the same). Variant "cond_diff_reversed": x_cond - x_uncond."""
+    diff = x[B:] - x[:B]
+    return -diff if R.mutated("cond_diff_reversed") else diff
 
 
 def step_masks(mask, orders, mask_len, last):
@@ -409,7 +448,7 @@ def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_sched
                 st["dec_v"] = {l: out["dec_v"][l][cached].copy() for l in range(sel + 1, dec_depth)}
                 st["v_prev"] = out["dec_v"][sel][cached].copy()
             if use_cond:
-                st["diff"] = x[B:] - x[:B]
+                st["diff"] = cond_diff(x, B)
             entry.update(sequences=nseq, encoder_rows=nseq * out["enc_rows"])
         elif nc:
             x_tc, info = _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls[cached],
@@ -469,7 +508,7 @@ def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads,
         h = _attn_residual(W, pre, h, q, Kc, Vc, heads)
         h = _mlp_residual(W, pre, h)
     st["enc_known"] = known.copy()
-    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), LN_EPS)
+    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
     rows = np.concatenate([np.broadcast_to(np.arange(P), (nc, P)), P + new_pos], axis=1)
     st["dec_in"][np.arange(nc)[:, None], rows] = _decoder_input_rows(W, E, rows)
     # ---- 5.2 decoder layers 0..sel-1 and the attention of sel, all rows
@@ -480,15 +519,18 @@ def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads,
     q, kk, vv = _qkv(W, pre, x)
     x = _attn_residual(W, pre, x, q, kk, vv, heads)
     # ---- 5.3 selection
-    forced_mask = pred | prev_pred
+    forced_mask = pred if R.mutated("lazymar_prev_not_forced") else pred | prev_pred
     kept, gaps = [], []
     for s in range(nc):
         score = ops.cosine_rows(vv[s], st["v_prev"][s], heads)
+        if R.mutated("lazymar_rank_descending"):   # keep the most similar rows instead
+            score = -score
         forced = P + np.flatnonzero(forced_mask[img_c[s]])
         chosen, gap = select_rows(score, forced, n_keep)
         kept.append(chosen)
         gaps.append(gap)
-    st["v_prev"] = vv.copy()
+    if not R.mutated("lazymar_v_prev_stale"):
+        st["v_prev"] = vv.copy()
     kept_arr = np.stack(kept)                                                   # [nc, n]
     ar = np.arange(nc)[:, None]
     # ---- 5.5 kept rows only from the select layer's MLP on

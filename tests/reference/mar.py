@@ -32,6 +32,34 @@ TIMESTEP_FP32 = True
 
 
 # ==========================================================================
+# Known-wrong variants, for tests/mutations.py only
+# ==========================================================================
+# MUTATION maps a variant name to its value. Empty (always, except inside
+# tests/mutations.py's `mutation(...)` context) means exactly the spec. Each
+# variant is a mistake a port commonly makes; the mutation test shows that the
+# engine tests would notice it. The names read here and in lazymar.py / marche.py:
+#   "ln_eps.<site>": eps of LayerNorm <site> (LN_SITES)
+#   "cfg_sign", "v_cfg", "v_uncond", "v_from_eps", "v_ignored": see guided_eps_v
+#   "noise_at_last_step": see ddpm_coefs / step_noise
+MUTATION = {}
+
+# Every LayerNorm call site, by the name ln_eps takes.
+LN_SITES = ("z_proj_ln", "encoder_norm", "norm1", "norm2", "decoder_norm", "head_in_ln", "head_final")
+
+
+def mutated(name):
+    """The value of variant `name` (False when the spec's choice is in force)."""
+    return MUTATION.get(name, False)
+
+
+def ln_eps(site):
+    """The eps of LayerNorm `site` (one of LN_SITES): LN_EPS unless a variant changes it."""
+    if site not in LN_SITES:
+        raise KeyError(site)
+    return MUTATION.get("ln_eps." + site, LN_EPS)
+
+
+# ==========================================================================
 # Weights: names, shapes, random initialisation (section 4, Appendix A)
 # ==========================================================================
 
@@ -157,12 +185,12 @@ def block(x, p, prefix, heads):
     "encoder_blocks.0" (no trailing dot)."""
     w = lambda n: _p(p, prefix + "." + n)  # noqa: E731
     dim = x.shape[-1]
-    a = ops.layernorm(x, w("norm1.weight"), w("norm1.bias"), LN_EPS)
+    a = ops.layernorm(x, w("norm1.weight"), w("norm1.bias"), ln_eps("norm1"))
     qkv = ops.linear(a, w("attn.qkv.weight"), w("attn.qkv.bias"))
     q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]
     o = ops.attention(q, [(k, v)], heads)  # scale hd^-0.5, heads side by side
     x = ops.linear(o, w("attn.proj.weight"), w("attn.proj.bias"), beta=1.0, y=x)
-    m = ops.layernorm(x, w("norm2.weight"), w("norm2.bias"), LN_EPS)
+    m = ops.layernorm(x, w("norm2.weight"), w("norm2.bias"), ln_eps("norm2"))
     m = ops.linear(m, w("mlp.fc1.weight"), w("mlp.fc1.bias"), act=ops.ACT_GELU)
     return ops.linear(m, w("mlp.fc2.weight"), w("mlp.fc2.bias"), beta=1.0, y=x)
 
@@ -189,12 +217,12 @@ def encoder(W, tokens, mask, cls_vec, heads):
     h = np.concatenate([np.zeros((nb, P, sz["dim"])), y], axis=1)              # step 2
     h[:, :P, :] = ops.f64(cls_vec)[:, None, :]                                 # buffer overwrite
     h = h + _p(W, "encoder_pos_embed_learned")[0]                              # step 3
-    h = ops.layernorm(h, _p(W, "z_proj_ln.weight"), _p(W, "z_proj_ln.bias"), LN_EPS)  # step 4
+    h = ops.layernorm(h, _p(W, "z_proj_ln.weight"), _p(W, "z_proj_ln.bias"), ln_eps("z_proj_ln"))  # step 4
     keep = kept_rows(mask, P)                                                  # step 5
     h = np.take_along_axis(h, keep[:, :, None], axis=1)
     for i in range(sz["depth"]):                                               # step 6
         h = block(h, W, "encoder_blocks.%d" % i, heads)
-    return ops.layernorm(h, _p(W, "encoder_norm.weight"), _p(W, "encoder_norm.bias"), LN_EPS)
+    return ops.layernorm(h, _p(W, "encoder_norm.weight"), _p(W, "encoder_norm.bias"), ln_eps("encoder_norm"))
 
 
 def decoder(W, E, mask, heads):
@@ -210,7 +238,7 @@ def decoder(W, E, mask, heads):
     f = full + _p(W, "decoder_pos_embed_learned")[0]                              # step 3
     for i in range(sz["depth"]):                                                  # step 4
         f = block(f, W, "decoder_blocks.%d" % i, heads)
-    f = ops.layernorm(f, _p(W, "decoder_norm.weight"), _p(W, "decoder_norm.bias"), LN_EPS)
+    f = ops.layernorm(f, _p(W, "decoder_norm.weight"), _p(W, "decoder_norm.bias"), ln_eps("decoder_norm"))
     return f[:, P:, :] + _p(W, "diffusion_pos_embed_learned")[0]                 # steps 6-7
 
 
@@ -287,7 +315,7 @@ def head_net(W, x, t, c):
         r = "res_blocks.%d." % j
         m = ops.linear(y_act, w(r + "adaLN_modulation.1.weight"), w(r + "adaLN_modulation.1.bias"))
         shift, scale, gate = m[:, :width], m[:, width:2 * width], m[:, 2 * width:]
-        u = ops.layernorm(h, w(r + "in_ln.weight"), w(r + "in_ln.bias"), LN_EPS,
+        u = ops.layernorm(h, w(r + "in_ln.weight"), w(r + "in_ln.bias"), ln_eps("head_in_ln"),
                           shift=shift, scale=scale)
         u = ops.linear(u, w(r + "mlp.0.weight"), w(r + "mlp.0.bias"), act=ops.ACT_SILU)
         u = ops.linear(u, w(r + "mlp.2.weight"), w(r + "mlp.2.bias"))
@@ -295,7 +323,7 @@ def head_net(W, x, t, c):
         j += 1
     m = ops.linear(y_act, w("final_layer.adaLN_modulation.1.weight"),                # step 7
                    w("final_layer.adaLN_modulation.1.bias"))
-    u = ops.layernorm(h, None, None, LN_EPS, shift=m[:, :width], scale=m[:, width:])
+    u = ops.layernorm(h, None, None, ln_eps("head_final"), shift=m[:, :width], scale=m[:, width:])
     return ops.linear(u, w("final_layer.linear.weight"), w("final_layer.linear.bias"))
 
 
@@ -411,8 +439,42 @@ def ddpm_coefs(tables, j, temperature):
         posterior_mean_coef2=f("posterior_mean_coef2"),
         log_beta=f("log_betas"),
         posterior_log_variance=f("posterior_log_variance_clipped"),
-        noise_scale=0.0 if j == 0 else float(np.float32(temperature)),
+        noise_scale=0.0 if j == 0 and not mutated("noise_at_last_step") else float(np.float32(temperature)),
     )
+
+
+def step_noise(seed, images, positions, j, ch):
+    """The noise of spaced step j (section 6.5): token_normals(stream 2, step j), none
+    at j == 0 (the last step adds no noise; variant "noise_at_last_step" adds it)."""
+    if j == 0 and not mutated("noise_at_last_step"):
+        return None
+    return philox.token_normals(seed, images, positions, philox.STREAM_HEAD_STEP, j, ch)
+
+
+def guided_eps_v(out_c, out_u, cfg_scale, ch):
+    """(eps, v) of the n conditional state rows from the network outputs out_c
+    [n, 2C] (conditional) and out_u [n, 2C] (unconditional, None without CFG):
+    eps = u + s (c - u) on the eps columns only; v is the conditional row's own,
+    unguided (section 5.2). The variants change exactly one of these choices:
+    "cfg_sign" u - s (c - u); "v_cfg" guidance also on v; "v_uncond" v of the
+    unconditional row; "v_from_eps" the eps columns read as v; "v_ignored" v = -1,
+    the fixed posterior variance instead of the learned range."""
+    if out_u is None:
+        eps = out_c[:, :ch]
+    elif mutated("cfg_sign"):
+        eps = out_u[:, :ch] - float(cfg_scale) * (out_c[:, :ch] - out_u[:, :ch])
+    else:
+        eps = ops.cfg_combine(out_c, out_u, cfg_scale, ch)
+    v = out_c[:, ch:2 * ch]
+    if out_u is not None and mutated("v_cfg"):
+        v = ops.cfg_combine(out_c[:, ch:], out_u[:, ch:], cfg_scale, ch)
+    if out_u is not None and mutated("v_uncond"):
+        v = out_u[:, ch:2 * ch]
+    if mutated("v_from_eps"):
+        v = eps
+    if mutated("v_ignored"):
+        v = -np.ones_like(v)
+    return eps, v
 
 
 def head_sample(W, z_rows, images, positions, seed, temperature, cfg_scale, tables=None):
@@ -443,14 +505,10 @@ def head_sample(W, z_rows, images, positions, seed, temperature, cfg_scale, tabl
         t = int(tables["timesteps"][j])          # the network sees tau_j, not j
         if cfg_on:
             out = head_net(W, np.concatenate([x, x]), t, z_rows)
-            eps = ops.cfg_combine(out[:n], out[n:], cfg_scale, ch)
-            v = out[:n, ch:2 * ch]
+            eps, v = guided_eps_v(out[:n], out[n:], cfg_scale, ch)
         else:
-            out = head_net(W, x, t, z_rows)
-            eps, v = out[:, :ch], out[:, ch:2 * ch]
-        noise = None
-        if j != 0:
-            noise = philox.token_normals(seed, images, positions, philox.STREAM_HEAD_STEP, j, ch)
+            eps, v = guided_eps_v(head_net(W, x, t, z_rows), None, cfg_scale, ch)
+        noise = step_noise(seed, images, positions, j, ch)
         x = ops.ddpm_step(x, eps, v, noise, ddpm_coefs(tables, j, temperature))
     return x
 

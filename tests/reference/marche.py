@@ -119,7 +119,7 @@ def encoder_full(W, tokens, mask, cls_vec, heads):
         h, k, v = LZ._block(W, "encoder_blocks.%d" % i, h, heads)
         enc_k.append(k)
         enc_v.append(v)
-    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), LN_EPS)
+    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
     D = _w(W, "decoder_embed.weight").shape[0]
     rows = np.concatenate([np.broadcast_to(np.arange(P), (nseq, P)), P + known], axis=1)
     x = np.broadcast_to(_w(W, "mask_token")[0] + _w(W, "decoder_pos_embed_learned")[0],
@@ -163,7 +163,7 @@ def _cached_encoder(W, st, tokens, mask, prev_pred, cls_c, img_c, heads, P):
         h = LZ._attn_residual(W, pre, h, q, Kc, Vc, heads)
         h = LZ._mlp_residual(W, pre, h)
     st["enc_known"] = known.copy()
-    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), LN_EPS)
+    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
     rows = np.concatenate([np.broadcast_to(np.arange(P), (nc, P)), P + new_pos], axis=1)
     st["dec_in"][np.arange(nc)[:, None], rows] = LZ._decoder_input_rows(W, E, rows)
     return P + new_pos.shape[1]
@@ -181,6 +181,8 @@ def cached_decoder(W, st, x, gen_rows, forced_rows, n_active, mc, heads, P):
     _, dec_depth = LZ._depths(W)
     full_layers = int(mc.full_layers)
     sel = int(mc.select_layer) - 1
+    if R.mutated("marche_select_layer_early"):   # 1-based select_layer read one layer early
+        sel = max(0, sel - 1)
     nc, L, _ = x.shape
     ar = np.arange(nc)[:, None]
     rel = None
@@ -201,9 +203,14 @@ def cached_decoder(W, st, x, gen_rows, forced_rows, n_active, mc, heads, P):
     for i in range(full_layers, dec_depth):
         pre = "decoder_blocks.%d" % i
         q, kk, vv = LZ._qkv(W, pre, xa)
+        if R.mutated("marche_attend_stale_kv"):   # attend before writing the fresh K/V
+            stale_k, stale_v = st["dec_k"][i].copy(), st["dec_v"][i].copy()
         st["dec_k"][i][ar, active] = kk
         st["dec_v"][i][ar, active] = vv
-        xa = LZ._attn_residual(W, pre, xa, q, st["dec_k"][i], st["dec_v"][i], heads)
+        if R.mutated("marche_attend_stale_kv"):
+            xa = LZ._attn_residual(W, pre, xa, q, stale_k, stale_v, heads)
+        else:
+            xa = LZ._attn_residual(W, pre, xa, q, st["dec_k"][i], st["dec_v"][i], heads)
         xa = LZ._mlp_residual(W, pre, xa)
     out = np.zeros_like(x)
     out[ar, active] = xa
@@ -272,7 +279,7 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
                 st["enc_known"] = ~mask.copy()
                 st["dec_in"] = enc["dec_in"][cached].copy()
             if use_cond:
-                st["diff"] = x[B:] - x[:B]
+                st["diff"] = LZ.cond_diff(x, B)
             entry.update(sequences=nseq, decoder_kept_rows=nseq * L, encoder_rows=nseq * enc["enc_rows"])
         else:
             if n_pred == 0:
@@ -284,9 +291,10 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
                 enc = encoder_full(W, tok_seq[cached], mask[img_c], cls[cached], heads)
                 dec_in, enc_rows = enc["dec_in"], enc["enc_rows"]
             gen_rows = np.stack([P + np.flatnonzero(pred[i]) for i in img_c])            # [nc, g]
-            forced = [P + np.flatnonzero(pred[i] | prev_pred[i]) for i in img_c]
+            caching_forced = not R.mutated("marche_caching_not_forced")
+            forced = [P + np.flatnonzero(pred[i] | prev_pred[i] if caching_forced else pred[i]) for i in img_c]
             n_active = active_count(mc, n_pred, p_prev, L, S)
-            assert all(len(f) == n_pred + p_prev for f in forced)
+            assert all(len(f) == n_pred + (p_prev if caching_forced else 0) for f in forced)
             x, active, gaps, rel = cached_decoder(W, st, dec_in, gen_rows, forced, n_active, mc, heads, P)
             x_c = x[:B]
             x_u = None
