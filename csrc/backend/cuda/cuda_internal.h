@@ -57,8 +57,13 @@ typedef struct cuda_state {
     int graphs_enabled;
     int capturing;
     int capture_failed;
-    void *deferred_free[32];
+    /* Blocks released during a recording, freed when it ends. Grows by
+     * doubling (a recorded step may release any number of blocks): a free
+     * that went to cudaFreeAsync on the capturing stream instead would
+     * become a node of the discarded graph and never run. */
+    void **deferred_free;
     int deferred_count;
+    int deferred_capacity;
     void *blas_workspace; /* explicit cuBLAS workspace: recordable GEMMs */
     size_t total_mem; /* the device's global memory, for requests that can never fit */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
