@@ -22,6 +22,14 @@ mc_status mc_cuda_fail(cudaError_t code, const char *call, mc_err *err) {
                    cudaGetErrorName(code));
 }
 
+int mc_cuda_sync_launches(void) {
+    static const int on = [] {
+        const char *value = getenv("MARCACHE_CUDA_SYNC");
+        return value != NULL && strcmp(value, "1") == 0 ? 1 : 0;
+    }(); /* a function-local static: initialised once, thread-safe (C++11) */
+    return on;
+}
+
 mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err) {
     mc_status status = code == CUBLAS_STATUS_ALLOC_FAILED ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
     return mc_fail(err, status, "cublas: %s failed: %s (%s)", call, cublasGetStatusString(code),
@@ -451,7 +459,8 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     MC_CUDA_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), err);
     MC_CUBLAS_TRY(cublasSetWorkspace(st->blas, st->blas_workspace, workspace_bytes), err);
     const char *graphs = getenv("MARCACHE_CUDA_GRAPHS");
-    st->graphs_enabled = !(graphs != NULL && strcmp(graphs, "0") == 0);
+    st->graphs_enabled =
+        !(graphs != NULL && strcmp(graphs, "0") == 0) && !mc_cuda_sync_launches();
     return MC_OK;
 }
 
