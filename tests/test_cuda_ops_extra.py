@@ -8,10 +8,15 @@ already runs every case on "cuda" when a GPU is present) does not cover:
   (generic path <= 128) and the naive fallback above 128;
 - the flash kernel against the naive kernel on the same inputs;
 - the memory pool: repeated allocations of the same sizes stop growing it,
-  and an impossible allocation is a MemoryError naming its size.
+  blocks released during a graph recording (any number) come back to it, and
+  an impossible allocation is a MemoryError naming its size.
 
 Everything skips without a usable GPU (marcache._C.backends() lacks "cuda").
 """
+import os
+import subprocess
+import sys
+import tempfile
 import zlib
 
 import numpy as np
@@ -91,6 +96,40 @@ def test_pool_reuses_memory():
     reserved = _C._cuda_pool_probe(sizes, 6)
     assert reserved[0] >= sum(sizes) or reserved[0] == 0  # 0: a device without pools
     assert reserved[1:] == reserved[:-1], "the pool grew in steady state: %r" % (reserved,)
+
+
+@pytest.mark.skipif(os.environ.get("MARCACHE_CUDA_GRAPHS") == "0",
+                    reason="graph recording is off (MARCACHE_CUDA_GRAPHS=0)")
+def test_releases_during_a_recording_are_not_lost():
+    # 100 blocks released inside a graph recording (the list of deferred frees held 32 before
+    # issue 21 point 4: the rest went to cudaFreeAsync on the capturing stream and were lost
+    # with the discarded graph, so the pool grew by 68 MiB per round).
+    sizes = [1 << 20] * 100
+    reserved = _C._cuda_pool_probe(sizes, 4, True)
+    assert reserved[1:] == reserved[:-1], "the pool grew: frees lost in a recording: %r" % (
+        reserved,)
+
+
+def test_sync_after_each_launch_gives_the_same_bits():
+    # MARCACHE_CUDA_SYNC=1 (read once per process, hence a subprocess) waits for the device
+    # after every launch and cuBLAS call; the arithmetic must not change. (That a fault is
+    # then named by its own kernel needs a faulting kernel, which no op can be made into.)
+    ids = [next(c.id for c in CASES if c.op == "gemm"),
+           next(c.id for c in CASES if c.op == "attention" and c.id.endswith("-bf16"))]
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys, numpy as np; sys.path[:0] = [%r, %r]; import test_cuda_ops_extra as t; "
+            "cases = {c.id: c for c in t.CASES}; "
+            "np.savez(sys.argv[1], *[t.run_case(cases[i])[0] for i in %r])"
+            % (here, os.path.dirname(here), ids))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.npz")
+        env = dict(os.environ, MARCACHE_CUDA_SYNC="1")
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, timeout=300)
+        synced = np.load(path)
+        cases = {c.id: c for c in CASES}
+        for n, case_id in enumerate(ids):
+            got, _ = run_case(cases[case_id])
+            assert np.array_equal(synced["arr_%d" % n], got), case_id
 
 
 def test_out_of_memory_is_memory_error_naming_the_size():

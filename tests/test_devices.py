@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 import marcache as mc
 from marcache import _C
 from mar_fixtures import rel_err, write_tiny_mar
+from tolerance import assert_close
 from reference import inception as RI
 from reference import vae as ref_vae
 
@@ -234,27 +235,142 @@ cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA device (marc
                                % (_C.backends(),))
 
 
-@cuda_only
-@pytest.mark.parametrize("policy", ["nocache", "lazymar", "marche"])
-def test_cuda_tokens_match_cpu(tiny_mar, policy):
-    """Issue #8: a tiny model's tokens on CUDA (fp32, TF32 off) match the CPU engine's
-    within 1e-4 for NoCache, LazyMAR and MARche (same Philox noise on both)."""
-    cache = eval(POLICIES[policy])
-    cpu = mc.load(tiny_mar, device="cpu").generate_tokens(labels=[3, 7, 11], steps=6, cfg=2.5, seed=4, cache=cache)
-    gpu = mc.load(tiny_mar, device="cuda").generate_tokens(labels=[3, 7, 11], steps=6, cfg=2.5, seed=4, cache=cache)
-    assert rel_err(gpu, cpu) <= 1e-4
+def per_token_atol(tokens, share):
+    """`share` of each token's largest |channel| (tokens [..., channels]), as the CPU tests
+    bound tokens: the random models' tokens span 1e-3..1e5, so one scale for all would let
+    the small ones drift unseen."""
+    t = np.asarray(tokens, np.float64)
+    return share * np.abs(t).max(axis=-1, keepdims=True)
+
+
+# Bounds of CUDA against the CPU over a whole generate (6 AR steps x 100 diffusion steps of
+# tiny_mar), per token, as a share of its largest channel:
+# - fp32: both sides round every op to float32 in other summation orders (cuBLAS, block
+#   reductions) and nothing else; 1e-4, ten times the CPU engine's bound against the float64
+#   reference (1e-5 of each token's largest channel, test_lazymar_reference).
+# - bf16: the GPU rounds the attention probabilities before normalising (per 64-key tile),
+#   the CPU emulation after (both allowed by ops.h), and sums in other orders. Both are bf16
+#   perturbations of the same fp32 run; measured on the CPU, the emulation's tokens differ
+#   from fp32 by at most 3.9e-3 of a token's largest channel over the policies of POLICIES
+#   (median 3.4e-4; nocache 3.1e-3, lazymar 3.3e-3, lazymar-no-head 3.9e-3, marche 3.4e-3,
+#   marche+cond+head 2.9e-3). By the triangle inequality the GPU's bf16 run, a perturbation
+#   of the same kind and size, is within twice that of the emulation: 7.8e-3, bound 1e-2.
+#   (The single-op bound 2e-2 of max|ref| used before allowed far more on small tokens.)
+#   A cached step's row ranking can flip where two scores tie within that perturbation; the
+#   engine does not report its selection margin, so a flip would show here as a failure to
+#   be read with the step telemetry (the CPU reference tests assert their margins > 1e-6).
+# fp16 is not run on tiny_mar: its random weights give tokens up to 8.6e4, past fp16's
+# range (65504), on the CPU emulation as on the GPU (inf/NaN); see the digits test below.
+GENERATE_SHARE = {"fp32": 1e-4, "bf16": 1e-2}
 
 
 @cuda_only
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_cuda_16bit_matches_cpu_emulation(tiny_mar, dtype):
-    """The tensor-core path computes what the CPU emulation computes: the same rounded
-    operands, float32 sums in another order, and attention probabilities rounded before
-    normalisation (per 64-key tile) on the GPU, after it on the CPU. Bounded by the op test's
-    16-bit attention bounds (bf16 2e-2, fp16 4e-3)."""
-    cpu = mc.load(tiny_mar, dtype=dtype).generate_tokens(labels=[3, 7], steps=6, cfg=2.5, seed=4)
-    gpu = mc.load(tiny_mar, device="cuda", dtype=dtype).generate_tokens(labels=[3, 7], steps=6, cfg=2.5, seed=4)
-    assert rel_err(gpu, cpu) <= {"bf16": 2e-2, "fp16": 4e-3}[dtype]
+@pytest.mark.parametrize("dtype", list(GENERATE_SHARE))
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_cuda_generate_matches_cpu(tiny_mar, policy, dtype):
+    """Issue 21 point 8: a whole generate on CUDA against the CPU engine (the same Philox
+    noise; TF32 off) for every cache policy, in fp32 and bf16, element-wise per token."""
+    cpu, cpu_again, _ = generate_on(tiny_mar, "cpu", dtype, policy)
+    gpu, gpu_again, graph = generate_on(tiny_mar, "cuda", dtype, policy)
+    assert all(graph), "the head's later diffusion steps did not run as a recorded graph"
+    share = GENERATE_SHARE[dtype]
+    assert_close(gpu, cpu, 0.0, per_token_atol(cpu, share),
+                 "%s %s tokens, cuda vs cpu (atol %g of each token's largest channel)"
+                 % (policy, dtype, share))
+    assert_close(gpu_again, cpu_again, 0.0, per_token_atol(cpu_again, share),
+                 "%s %s tokens from image 1, cuda vs cpu" % (policy, dtype))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,min_psnr", [("bf16", 20.0), ("fp16", 28.0)])
+def test_cuda_16bit_digits_images_match_cpu_emulation(dtype, min_psnr):
+    """fp16 (and bf16) whole generates on the trained digits model, whose tokens stay in
+    fp16's range. Its sampling amplifies small differences in individual tokens (bf16 vs
+    fp32 on the CPU: some tokens move by 28x their largest channel, median 2.3e-3), so the
+    comparison is in image space, as test_16bit_weights_keep_the_digits_model_close_to_fp32
+    does: there the CPU emulation's images are 26.4 dB (bf16) and 34.1 dB (fp16) from fp32.
+    The GPU's 16-bit run is a perturbation of the same kind (ops.h), so by the triangle
+    inequality on the RMS difference it is within 6.02 dB less of the emulation: 20.4 and
+    28.1 dB; the bounds are 20 and 28 dB."""
+    from marcache import digits
+
+    labels = np.repeat(np.arange(10), 5)
+    kw = dict(labels=labels, steps=16, cfg=2.0, seed=0)
+    cpu = mc.load(digits.MODEL_PATH, dtype=dtype).generate(**kw).astype(np.float64)
+    gpu = mc.load(digits.MODEL_PATH, device="cuda", dtype=dtype).generate(**kw).astype(np.float64)
+    psnr = 10 * np.log10(255.0 ** 2 / max(np.mean((gpu - cpu) ** 2), 1e-12))
+    assert psnr > min_psnr, "%s images, cuda vs cpu emulation: %.1f dB" % (dtype, psnr)
+
+
+@cuda_only
+def test_cuda_generate_wraps_the_upload_ring(tiny_mar):
+    """A batch whose per-step index lists (1000 images x 256 rows x 4 bytes, just under the
+    1 MiB staging limit of ops.h) fill the 8 MiB pinned upload ring within a few AR steps of
+    NoCache, whose full steps otherwise never wait: the ring must wrap (a wait shows in the
+    step's sync count) and the tokens still equal the CPU's (images 0..2, batch invariance)."""
+    labels = (np.arange(1000) * 7) % 1000
+    model = mc.load(tiny_mar, device="cuda")
+    waits, before = [], [model._mar.backend_syncs]
+
+    def on_step(info):
+        waits.append(model._mar.backend_syncs - before[-1])
+        before.append(model._mar.backend_syncs)
+
+    gpu, _ = model._mar.generate(labels.astype(np.int32), steps=16, cfg=2.5, seed=4,
+                                 cache=None, callback=on_step)
+    assert sum(waits) > 0, "the upload ring never wrapped: %r" % (waits,)
+    cpu, _ = mc.load(tiny_mar, device="cpu")._mar.generate(labels[:3].astype(np.int32), steps=16,
+                                                          cfg=2.5, seed=4, cache=None)
+    share = GENERATE_SHARE["fp32"]
+    assert_close(np.asarray(gpu)[:3], cpu, 0.0, per_token_atol(cpu, share),
+                 "tokens of a ring-wrapping batch, cuda vs cpu")
+
+
+# The VAE at the real decoder's widths where it matters: a 512-channel mid block (one
+# 512-wide attention head over 16 x 16 = 256 positions, the naive CUDA kernel's case) on the
+# real 16 x 16 x 16 latent. Both sides are float32 in other summation orders through ~10
+# convolutions of up to 512 x 9 terms and GroupNorms (statistics in double on both): per
+# sum about sqrt(4608) * 6e-8 = 4e-6 relative, compounded over the layers; bound 1e-4 of the
+# image's largest |value| (unmeasured: no GPU has run it).
+VAE_SHARE = 1e-4
+
+
+@cuda_only
+def test_cuda_vae_decode_at_512_wide_attention_matches_cpu(tmp_path):
+    vae_w = ref_vae.random_vae_weights(np.random.default_rng(7), ch=128, ch_mult=(1, 4),
+                                       num_res_blocks=1, z=16)
+    assert vae_w["decoder.mid.attn_1.q.weight"].shape[0] == 512
+    vae_path = str(tmp_path / "vae512.safetensors")
+    save_file({k: np.ascontiguousarray(v) for k, v in vae_w.items()}, vae_path)
+    tokens = (0.2325 * np.random.default_rng(1).standard_normal((2, 256, 16))).astype(np.float32)
+    cpu = _C.VAE(vae_path, device="cpu").decode(tokens)
+    gpu = _C.VAE(vae_path, device="cuda").decode(tokens)
+    assert cpu.shape == gpu.shape and np.all(np.isfinite(cpu))
+    assert_close(gpu, cpu, 0.0, VAE_SHARE * np.abs(cpu).max(),
+                 "VAE decode, cuda vs cpu (atol %g of max |image|)" % VAE_SHARE)
+
+
+# Inception (random weights, channels / 16): float32 on both sides, ~95 convolutions of up
+# to 2048 x 9 terms with folded batch norms; bound 1e-4 of the largest |feature| / |logit|,
+# the same reasoning as the VAE's (unmeasured).
+INCEPTION_SHARE = 1e-4
+
+
+@cuda_only
+def test_cuda_inception_features_and_logits_match_cpu(tmp_path):
+    import marcache.eval
+
+    inc_path = str(tmp_path / "inception.safetensors")
+    save_file(RI.random_weights(np.random.default_rng(6), divisor=16, num_classes=10), inc_path)
+    images = np.random.default_rng(2).integers(0, 256, (5, 64, 80, 3), dtype=np.uint8)
+    out = {}
+    for device in ("cpu", "cuda"):
+        net = mc.eval.InceptionV3.load(inc_path, device=device, chunk=2)
+        out[device] = net._net.features(images)
+    for name, cpu, gpu in zip(("pool features", "logits"), out["cpu"], out["cuda"]):
+        assert np.all(np.isfinite(cpu)) and cpu.size > 0
+        assert_close(gpu, cpu, 0.0, INCEPTION_SHARE * np.abs(cpu).max(),
+                     "Inception %s, cuda vs cpu (atol %g of the largest)" % (name, INCEPTION_SHARE))
 
 
 @cuda_only

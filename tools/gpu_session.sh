@@ -8,7 +8,7 @@
 #   run(command="bash tools/gpu_session.sh bench --batches 256", carry=[".whl", ".official"])
 #
 # Steps (any order, default all): build (MARCACHE_CUDA=1, in place; kept between calls on a
-# warm machine), tests (MARCACHE_REQUIRE_CUDA=1: every CUDA test, which fail instead of
+# warm machine, and run by tests and bench first when no CUDA-enabled build imports), tests (MARCACHE_REQUIRE_CUDA=1: every CUDA test, which fail instead of
 # skipping), bench [ARGS] (benchmarks/bench_gpu.py ARGS, default --quick). Logs and JSON go
 # to $OUT (the device tool brings them back) or ./gpu_out.
 #
@@ -58,13 +58,31 @@ run_build() {
         | tee "$OUT/build_info.json"
 }
 
+# A separate call (run(command="bash tools/gpu_session.sh tests")) may start on a bare machine
+# without the built extension, or find the CPU-only one of a build without nvcc: every step
+# but build first builds unless a CUDA-enabled marcache._C imports.
+have_cuda_build() {
+    "$PY" -c "import sys, marcache; sys.exit(0 if marcache.build_info()['cuda'] else 1)" \
+        > /dev/null 2>&1
+}
+
+ensure_built() {
+    if have_cuda_build; then
+        return 0
+    fi
+    echo "gpu_session: no CUDA-enabled marcache._C here; building first"
+    run_build
+}
+
 run_tests() {
+    ensure_built || return 1
     (cd tests && MARCACHE_REQUIRE_CUDA=1 "$PY" -m pytest -q -rfEs --durations=15 \
         test_cuda_build.py test_ops.py test_cuda_ops_extra.py test_devices.py 2>&1) \
         | tee "$OUT/tests.log" | tail -60
 }
 
 run_bench() {
+    ensure_built || return 1
     local args=("$@")
     [ ${#args[@]} -eq 0 ] && args=(--quick)
     "$PY" benchmarks/bench_gpu.py "${args[@]}" --time-budget "${BENCH_SECONDS:-480}" \

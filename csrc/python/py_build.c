@@ -133,13 +133,14 @@ static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
 }
 
 #ifdef MC_HAVE_CUDA
-/* _cuda_pool_probe(sizes, rounds) -> reserved bytes after each round (see
- * mc_cuda_pool_probe); a test hook for the CUDA backend's memory pool. */
+/* _cuda_pool_probe(sizes, rounds, release_while_recording=False) -> reserved
+ * bytes after each round (see mc_cuda_pool_probe); a test hook for the CUDA
+ * backend's memory pool. */
 static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *seq;
-    int rounds;
-    if (!PyArg_ParseTuple(args, "Oi", &seq, &rounds))
+    int rounds, release_while_recording = 0;
+    if (!PyArg_ParseTuple(args, "Oi|p", &seq, &rounds, &release_while_recording))
         return NULL;
     PyObject *fast = PySequence_Fast(seq, "sizes must be a sequence of integers");
     if (fast == NULL)
@@ -170,7 +171,8 @@ static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
     mc_err err = {0};
     mc_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = mc_cuda_pool_probe(0, sizes, (int)count, rounds, reserved, &err);
+    status = mc_cuda_pool_probe(0, sizes, (int)count, rounds, release_while_recording, reserved,
+                                &err);
     Py_END_ALLOW_THREADS
     PyObject *result = NULL;
     if (status != MC_OK) {
@@ -224,7 +226,8 @@ static PyMethodDef build_methods[] = {
      "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},
 #ifdef MC_HAVE_CUDA
     {"_cuda_pool_probe", cuda_pool_probe, METH_VARARGS,
-     "_cuda_pool_probe(sizes, rounds) -> pool bytes reserved after each round (CUDA test hook)"},
+     "_cuda_pool_probe(sizes, rounds, release_while_recording=False) -> pool bytes reserved "
+     "after each round (CUDA test hook)"},
 #endif
     {NULL, NULL, 0, NULL},
 };

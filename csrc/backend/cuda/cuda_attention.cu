@@ -8,7 +8,8 @@
  * and 80 with the loop bounds fixed at compile time); larger head dims (the
  * VAE's single 512-wide head) and the reference mode use attention_naive, a
  * plain two-pass softmax, one block per query row. With a 16-bit weight type
- * (mc_attention_is_16bit) the tensor-core kernel below runs instead.
+ * (mc_attention_is_16bit) the tensor-core kernel below runs instead, and in
+ * the reference mode attention_naive_16bit (the CPU emulation's arithmetic).
  *
  * attention_mass: row statistics (max and 1 / sum of exponentials) per
  * (item, head, query), then one thread per (item, key) adds the
@@ -213,6 +214,70 @@ __global__ void attention_naive_kernel(int64_t batch, int64_t nq, int heads, int
             }
         for (int d = threadIdx.x; d < D; d += blockDim.x)
             orow[d] /= l;
+    }
+}
+
+/* attention_naive_16bit: the reference for the 16-bit form of attention
+ * (ops.h), beside the tensor-core kernel as attention_naive is beside the
+ * flash kernel, and the same arithmetic as the CPU emulation
+ * (cpu_attention.c, attention_pair_16bit): q, k and v rounded to T (nearest
+ * even), scores and sums in float32, the probabilities normalised first and
+ * then rounded to T before they weight v. Three passes per query row (max,
+ * sum, weighted v) because the rounding comes after the division by l. */
+template <typename T> __device__ __forceinline__ float round_to(float x);
+template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+template <> __device__ __forceinline__ float round_to<__half>(float x) {
+    return __half2float(__float2half_rn(x));
+}
+
+template <typename T>
+__device__ float naive_score_16bit(const float *qrow, const float *krow, int D, float scale,
+                                   float *red) {
+    float part = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        part += round_to<T>(qrow[d]) * round_to<T>(krow[d]);
+    return mc_block_sum(part, red) * scale;
+}
+
+template <typename T>
+__global__ void attention_naive_16bit_kernel(int64_t batch, int64_t nq, int heads, int D,
+                                             float scale, const float *q, int64_t ldq,
+                                             int64_t q_bstride, att_segments segs, float *out,
+                                             int64_t ldo, int64_t o_bstride) {
+    __shared__ float red[32];
+    const int64_t items = batch * heads * nq;
+    for (int64_t row = blockIdx.x; row < items; row += gridDim.x) {
+        const int64_t i = row % nq, bh = row / nq;
+        const int h = (int)(bh % heads);
+        const int64_t b = bh / heads;
+        const float *qrow = q + b * q_bstride + i * ldq + (int64_t)h * D;
+        float *orow = out + b * o_bstride + i * ldo + (int64_t)h * D;
+
+        float m = -INFINITY;
+        for (int s = 0; s < segs.count; s++)
+            for (int64_t j = 0; j < segs.rows[s]; j++) {
+                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
+                m = fmaxf(m, naive_score_16bit<T>(qrow, segs.k[s] + off, D, scale, red));
+            }
+        float l = 0.0f;
+        for (int s = 0; s < segs.count; s++)
+            for (int64_t j = 0; j < segs.rows[s]; j++) {
+                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
+                l += expf(naive_score_16bit<T>(qrow, segs.k[s] + off, D, scale, red) - m);
+            }
+        const float inv = 1.0f / l;
+        for (int d = threadIdx.x; d < D; d += blockDim.x)
+            orow[d] = 0.0f;
+        for (int s = 0; s < segs.count; s++)
+            for (int64_t j = 0; j < segs.rows[s]; j++) {
+                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
+                const float p = round_to<T>(
+                    expf(naive_score_16bit<T>(qrow, segs.k[s] + off, D, scale, red) - m) * inv);
+                for (int d = threadIdx.x; d < D; d += blockDim.x)
+                    orow[d] += p * round_to<T>(segs.v[s][off + d]);
+            }
     }
 }
 
@@ -453,10 +518,21 @@ mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads
     cuda_state *st = cuda_st(be);
 
     if (mc_attention_is_16bit(be, head_dim)) {
-        if (st->naive)
-            return mc_fail(err, MC_ERR_VALUE,
-                           "cuda attention: the reference kernel is float32; 16-bit attention has "
-                           "only the tensor-core kernel");
+        if (st->naive) {
+            const int64_t items = batch * heads * nq;
+            if (be->linear_wtype == MC_WTYPE_BF16)
+                attention_naive_16bit_kernel<__nv_bfloat16>
+                    <<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
+                        batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out, ldo,
+                        o_bstride);
+            else
+                attention_naive_16bit_kernel<__half>
+                    <<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
+                        batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out, ldo,
+                        o_bstride);
+            MC_CUDA_LAUNCHED("attention_naive_16bit_kernel", err);
+            return MC_OK;
+        }
         if (be->linear_wtype == MC_WTYPE_BF16)
             return attention_16bit<__nv_bfloat16>(batch, nq, heads, head_dim, scale, q, ldq,
                                                   q_bstride, list, out, ldo, o_bstride,

@@ -22,6 +22,14 @@ mc_status mc_cuda_fail(cudaError_t code, const char *call, mc_err *err) {
                    cudaGetErrorName(code));
 }
 
+int mc_cuda_sync_launches(void) {
+    static const int on = [] {
+        const char *value = getenv("MARCACHE_CUDA_SYNC");
+        return value != NULL && strcmp(value, "1") == 0 ? 1 : 0;
+    }(); /* a function-local static: initialised once, thread-safe (C++11) */
+    return on;
+}
+
 mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err) {
     mc_status status = code == CUBLAS_STATUS_ALLOC_FAILED ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
     return mc_fail(err, status, "cublas: %s failed: %s (%s)", call, cublasGetStatusString(code),
@@ -149,14 +157,32 @@ static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
     return p;
 }
 
+/* Keeps ptr for release after the recording; 0 when the host has no
+ * memory to grow the list. */
+static int defer_release(cuda_state *st, void *ptr) {
+    if (st->deferred_count == st->deferred_capacity) {
+        const int capacity = st->deferred_capacity > 0 ? 2 * st->deferred_capacity : 64;
+        void **grown =
+            (void **)realloc(st->deferred_free, (size_t)capacity * sizeof *st->deferred_free);
+        if (grown == NULL)
+            return 0;
+        st->deferred_free = grown;
+        st->deferred_capacity = capacity;
+    }
+    st->deferred_free[st->deferred_count++] = ptr;
+    return 1;
+}
+
 static void cuda_release(mc_backend *be, void *ptr) {
     cuda_state *st = cuda_st(be);
     if (ptr != NULL && st->capturing) {
         st->capture_failed = 1; /* nothing in a recorded step should free memory */
-        if (st->deferred_count < (int)(sizeof st->deferred_free / sizeof st->deferred_free[0])) {
-            st->deferred_free[st->deferred_count++] = ptr;
-            return;
-        }
+        /* Out of host memory for the list (defer_release returns 0), the
+         * block stays allocated in the pool until the process ends: a free
+         * on the capturing stream would be lost with the discarded graph
+         * just the same, and no other free is legal during a recording. */
+        (void)defer_release(st, ptr);
+        return;
     }
     if (ptr == NULL || cudaSetDevice(st->device) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -354,6 +380,7 @@ static void cuda_free_state(cuda_state *st) {
             (void)cudaStreamDestroy(st->stream);
     }
     (void)cudaGetLastError();
+    free(st->deferred_free);
     free(st);
 }
 
@@ -432,7 +459,8 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     MC_CUDA_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), err);
     MC_CUBLAS_TRY(cublasSetWorkspace(st->blas, st->blas_workspace, workspace_bytes), err);
     const char *graphs = getenv("MARCACHE_CUDA_GRAPHS");
-    st->graphs_enabled = !(graphs != NULL && strcmp(graphs, "0") == 0);
+    st->graphs_enabled =
+        !(graphs != NULL && strcmp(graphs, "0") == 0) && !mc_cuda_sync_launches();
     return MC_OK;
 }
 
@@ -469,7 +497,8 @@ extern "C" mc_status mc_backend_cuda_create(mc_backend **out, int device_index, 
 }
 
 extern "C" mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int count, int rounds,
-                                        uint64_t *reserved, mc_err *err) {
+                                        int release_while_recording, uint64_t *reserved,
+                                        mc_err *err) {
     mc_backend *be = NULL;
     MC_TRY(mc_backend_cuda_create(&be, device, err));
     cuda_state *st = cuda_st(be);
@@ -481,8 +510,23 @@ extern "C" mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int cou
         for (; made < count; made++)
             if ((blocks[made] = be->ops->alloc(be, sizes[made], err)) == NULL)
                 break;
+        const int record = release_while_recording && made == count;
+        if (record && (status = be->ops->capture_begin(be, err)) != MC_OK)
+            break;
         for (int i = 0; i < made; i++)
             be->ops->release(be, blocks[i]);
+        if (record) {
+            /* Releases fail a recording (ops.h): it is discarded, and the
+             * deferred frees run now. */
+            void *graph = NULL;
+            mc_err discarded;
+            memset(&discarded, 0, sizeof discarded);
+            if (be->ops->capture_end(be, &graph, 0, &discarded) == MC_OK || graph != NULL) {
+                status = mc_fail(err, MC_ERR_INTERNAL,
+                                 "pool probe: a recording with releases was kept");
+                break;
+            }
+        }
         if (made < count) {
             status = err->status;
             break;

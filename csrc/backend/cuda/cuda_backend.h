@@ -38,9 +38,12 @@ void mc_cuda_set_naive(mc_backend *be, int naive);
  * (cudaMemPoolAttrReservedMemCurrent; 0 on a device without pools). In
  * steady state it stays constant: the pool never returns memory and reuses
  * the freed blocks. An allocation failure is the alloc op's error (out of
- * device memory: MC_ERR_NOMEM naming the request). */
+ * device memory: MC_ERR_NOMEM naming the request). With
+ * release_while_recording the releases of each round happen inside a graph
+ * recording (which they make fail): they are deferred to its end and must
+ * still return the blocks, however many there are. */
 mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int count, int rounds,
-                             uint64_t *reserved, mc_err *err);
+                             int release_while_recording, uint64_t *reserved, mc_err *err);
 
 #ifdef __cplusplus
 }

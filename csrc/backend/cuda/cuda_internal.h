@@ -57,8 +57,13 @@ typedef struct cuda_state {
     int graphs_enabled;
     int capturing;
     int capture_failed;
-    void *deferred_free[32];
+    /* Blocks released during a recording, freed when it ends. Grows by
+     * doubling (a recorded step may release any number of blocks): a free
+     * that went to cudaFreeAsync on the capturing stream instead would
+     * become a node of the discarded graph and never run. */
+    void **deferred_free;
     int deferred_count;
+    int deferred_capacity;
     void *blas_workspace; /* explicit cuBLAS workspace: recordable GEMMs */
     size_t total_mem; /* the device's global memory, for requests that can never fit */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
@@ -81,20 +86,43 @@ mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err);
             return mc_cuda_fail(mc_cuda_code_, #call, (err));  \
     } while (0)
 
+/* 1 when MARCACHE_CUDA_SYNC=1 (read once per process): the device is
+ * synchronised after every kernel launch and cuBLAS call, so an
+ * asynchronous fault is reported under the kernel that caused it rather
+ * than under the next launch or copy. For debugging: it serialises host
+ * and device, and it turns graph recording off (a synchronisation is not
+ * allowed inside one). */
+int mc_cuda_sync_launches(void);
+
+/* The error of the work just enqueued, under MARCACHE_CUDA_SYNC=1. */
+#define MC_CUDA_SYNC_CHECK(what, err)                                                     \
+    do {                                                                                  \
+        if (mc_cuda_sync_launches()) {                                                    \
+            cudaError_t mc_sync_code_ = cudaDeviceSynchronize();                          \
+            if (mc_sync_code_ != cudaSuccess)                                             \
+                return mc_cuda_fail(mc_sync_code_, what " (MARCACHE_CUDA_SYNC=1: waited on " \
+                                                        "it)",                            \
+                                    (err));                                               \
+        }                                                                                 \
+    } while (0)
+
 #define MC_CUBLAS_TRY(call, err)                                   \
     do {                                                           \
         cublasStatus_t mc_cublas_code_ = (call);                   \
         if (mc_cublas_code_ != CUBLAS_STATUS_SUCCESS)              \
             return mc_cublas_fail(mc_cublas_code_, #call, (err));  \
+        MC_CUDA_SYNC_CHECK(#call, err);                            \
     } while (0)
 
 /* After every kernel launch: a bad configuration (grid, shared memory) or
- * an earlier asynchronous fault shows up here. */
+ * an earlier asynchronous fault shows up here; with MARCACHE_CUDA_SYNC=1
+ * the kernel's own fault too, under its name. */
 #define MC_CUDA_LAUNCHED(name, err)                                   \
     do {                                                              \
         cudaError_t mc_launch_code_ = cudaGetLastError();             \
         if (mc_launch_code_ != cudaSuccess)                           \
             return mc_cuda_fail(mc_launch_code_, "launch of " name, (err)); \
+        MC_CUDA_SYNC_CHECK("kernel " name, err);                      \
     } while (0)
 
 /* Makes the backend's device current on the calling thread (the binding may
