@@ -18,12 +18,6 @@ def write_tiny_mar(path, seed=0, heads=2, metadata_heads=True, dim=32, depth=2, 
     return W
 
 
-def rel_err(a, ref):
-    a = np.asarray(a, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-30))
-
-
 def amplified_mar_weights(seed, dim, depth, heads, head_width, head_depth, qkv_gain, head_gain):
     """Random official-layout MAR weights with the attention qkv and the head's
     cond_embed / adaLN / MLP weights scaled up, so that which rows a cache policy

@@ -21,8 +21,8 @@ from safetensors.numpy import save_file
 
 import marcache as mc
 from marcache import _C
-from mar_fixtures import rel_err, write_tiny_mar
-from tolerance import assert_close
+from mar_fixtures import write_tiny_mar
+from tolerance import assert_close, scaled_atol, worst_share
 from reference import inception as RI
 from reference import vae as ref_vae
 
@@ -106,7 +106,9 @@ def test_mar_on_guard_equals_cpu(tiny_mar, policy):
     assert cpu.shape == (3, 256, 16) and np.all(np.isfinite(cpu))
     np.testing.assert_array_equal(guard, cpu)
     np.testing.assert_array_equal(guard_again, cpu_again)
-    assert rel_err(guard_again[0], guard[1]) < 1e-4  # batch invariance (as test_mar)
+    # batch invariance (as test_mar): within 1e-4 of each token's largest channel
+    assert_close(guard_again[0], guard[1], rtol=0.0, atol=scaled_atol(guard[1], 1e-4, axis=-1),
+                 what="image 1 alone vs in a batch")
 
 
 @pytest.mark.parametrize("fail_at", [1, 40])
@@ -225,8 +227,11 @@ def test_16bit_model_matches_rounded_reference(tmp_path, monkeypatch):
     want_z = R.transformer(W, tokens, mask, labels, heads=2, cfg_on=False)
     want_head = R.head_net(W, x, t, z[0, :6])
     for got, want, plain in ((z, want_z, plain_z), (head, want_head, plain_head)):
-        err, err_plain = rel_err(got, want), rel_err(got, plain)
-        assert err < 2e-3 and err < err_plain / 4, (err, err_plain)
+        # within 2e-3 of the largest output against the rounded reference, and at least 4x
+        # closer to it than to the unrounded one (scaled_atol: a layer's error follows its sums)
+        share = worst_share(got, want, 0.0, scaled_atol(want, 2e-3))
+        share_plain = worst_share(got, plain, 0.0, scaled_atol(plain, 2e-3))
+        assert share < 1 and share < share_plain / 4, (share, share_plain)
 
 
 # ----- CUDA against the CPU engine (needs a GPU) --------------------------------------------

@@ -31,6 +31,7 @@ import pytest
 
 from marcache import _C
 from reference import ops as ref
+from tolerance import assert_close, scaled_atol
 
 F32 = np.float32
 
@@ -841,10 +842,11 @@ case("resize_bilinear_tf1", "u8-31x45to64x7", tol=0)(resize_builder(3, 31, 45, 3
 # the test
 # --------------------------------------------------------------------------
 
-def relative_error(got, want):
-    scale = float(np.max(np.abs(want))) if want.size else 0.0
-    err = float(np.max(np.abs(got.astype(np.float64) - want))) if want.size else 0.0
-    return err / scale if scale > 0.0 else err
+def check_scaled(got, want, tol, what):
+    """The op tests' comparison: every element within tol * max |want| (an op's float32
+    error follows the size of the sums behind an element, which the largest output bounds:
+    tolerance.scaled_atol), element-wise through the one helper."""
+    assert_close(got, want, rtol=0.0, atol=scaled_atol(want, tol), what=what)
 
 
 # naive=True selects a backend's plain reference kernel beside its fast one; only the CPU
@@ -883,8 +885,7 @@ def check_case(backend, case):
     if case.tol == 0:
         np.testing.assert_array_equal(got, want.astype(np.float32))
     else:
-        err = relative_error(got, want)
-        assert err <= case.tol, "max |got - ref| / max |ref| = %.3g > %.1g" % (err, case.tol)
+        check_scaled(got, want, case.tol, "%s on %s" % (case.id, backend))
 
 
 def test_every_op_has_a_case():

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from interrupt import call_with_sigint_pending  # noqa: E402
 from reference import vae as ref_vae  # noqa: E402
-from tolerance import assert_close  # noqa: E402
+from tolerance import assert_close, scaled_atol  # noqa: E402
 
 
 def _import_engine():
@@ -41,11 +41,6 @@ SMALL_CONFIGS = {
     # num_res_blocks = 0 (one ResnetBlock per level), first level wider.
     "single_block": dict(ch=32, ch_mult=(2, 1, 3), num_res_blocks=0, z=3),
 }
-
-
-def rel_err(got, want):
-    want = np.asarray(want, dtype=np.float64)
-    return np.abs(np.asarray(got, dtype=np.float64) - want).max() / np.abs(want).max()
 
 
 def write(tmp_path, weights, name="vae.safetensors"):
@@ -122,7 +117,9 @@ def test_thread_counts_agree(tmp_path):
     tokens = tokens_for(np.random.default_rng(4), 1, 8, 5)
     one = C.VAE(path, num_threads=1).decode(tokens)
     two = C.VAE(path, num_threads=2).decode(tokens)
-    assert rel_err(one, two) < 1e-5
+    # the two thread counts split the same sums differently: float32 reordering only,
+    # bounded by the window sums behind each pixel (tolerance.scaled_atol)
+    assert_close(one, two, rtol=0.0, atol=scaled_atol(two, 1e-5), what="VAE decode, 1 vs 2 threads")
 
 
 def test_float16_and_float64_files(tmp_path):

@@ -46,3 +46,20 @@ def worst_share(actual, ref, rtol, atol):
     a = np.asarray(actual, np.float64)
     r = np.asarray(ref, np.float64)
     return float((np.abs(a - r) / (rtol * np.abs(r) + atol)).max())
+
+
+def scaled_atol(ref, share, axis=None):
+    """share * max |ref| over `axis` (None: the whole array; -1: each row, e.g. each token),
+    shaped to broadcast against ref: an absolute tolerance for values whose float32 error
+    follows the size of the sums that produce them rather than their own size. An op's
+    output element is a sum of products (a GEMM row, a convolution window, an attention
+    mix) whose rounding is bounded by the largest terms, which the largest output of the
+    same row or array bounds; a token's error follows its largest channel (the x0 chain
+    multiplies by ~2e4). Elements near zero then get the allowance their sums warrant
+    instead of a relative one that float32 cannot meet."""
+    r = np.abs(np.asarray(ref, np.float64))
+    if r.size == 0:
+        return 0.0
+    if axis is None:
+        return share * float(r.max())
+    return share * r.max(axis=axis, keepdims=True)
