@@ -27,7 +27,8 @@ def junit(cases):
 def check(tmp_path, cases, expected=EXPECTED):
     path = tmp_path / "junit.xml"
     path.write_text(junit(cases))
-    return subprocess.run([sys.executable, CHECKER, str(path), str(expected)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, CHECKER, str(path), str(expected)], capture_output=True, text=True,
+                          cwd=TESTS_DIR)
 
 
 def test_expected_skips_pass_and_are_counted(tmp_path):

@@ -122,7 +122,8 @@ def test_sync_after_each_launch_gives_the_same_bits():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.npz")
         env = dict(os.environ, MARCACHE_CUDA_SYNC="1")
-        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, timeout=300)
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, timeout=300,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
         synced = np.load(path)
         cases = {c.id: c for c in CASES}
         for n, case_id in enumerate(ids):

@@ -26,6 +26,13 @@ from mar_fixtures import write_tiny_mar
 from reference import inception as RI
 from reference import vae as ref_vae
 
+# the working directory of every subprocess: never the clone's root, whose unbuilt
+# marcache/ source folder would shadow the installed package
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# ...and this session's import path, so a child finds the marcache under test (an in-place
+# build at the root, or the installed one) from there
+CHILD_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
 HAVE_SCIPY = ev._have_scipy()
 METHODS = ["symmetric", "eigvals"] + (["sqrtm"] if HAVE_SCIPY else [])
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -421,7 +428,7 @@ def test_cli_sample_then_fid(tiny_files, tmp_path):
     run = [sys.executable, "-m", "marcache"]
     proc = subprocess.run(run + ["sample", "--model", str(tiny_files["mar"]), "--vae", str(tiny_files["vae"]),
                                  "--n", "5", "--per-class", "2", "--steps", "2", "--cfg", "2.0",
-                                 "--batch-size", "2", "--out", str(samples)],
+                                 "--batch-size", "2", "--out", str(samples)], cwd=TESTS_DIR, env=CHILD_ENV,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "wrote" in proc.stdout and "s/image" in proc.stdout
@@ -434,10 +441,10 @@ def test_cli_sample_then_fid(tiny_files, tmp_path):
     ref = tmp_path / "ref.npz"
     proc = subprocess.run(run + ["reference", str(tiny_files["folder"]), str(ref), "--inception",
                                  str(tiny_files["inception"]), "--quiet"], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=TESTS_DIR, env=CHILD_ENV)
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run(run + ["fid", str(samples), str(ref), "--inception", str(tiny_files["inception"]),
-                                 "--splits", "1"], capture_output=True, text=True, timeout=300)
+                                 "--splits", "1"], capture_output=True, text=True, timeout=300, cwd=TESTS_DIR, env=CHILD_ENV)
     assert proc.returncode == 0, proc.stderr
     assert "not the standard FID network" in proc.stderr
     value = float(re.search(r"FID: ([0-9.]+)", proc.stdout).group(1))
@@ -452,9 +459,9 @@ def test_cli_sample_then_fid(tiny_files, tmp_path):
 def test_cli_rejects_bad_sample_arguments(tiny_files, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "marcache", "sample", "--model", str(tiny_files["mar"]),
                            "--vae", str(tiny_files["vae"]), "--n", "0", "--out", str(tmp_path / "s.npz")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=TESTS_DIR, env=CHILD_ENV)
     assert proc.returncode == 2 and "--n, --per-class and --batch-size must be >= 1" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "marcache", "fid", str(tmp_path / "none.npz"),
                            str(tmp_path / "ref.npz"), "--inception", str(tiny_files["inception"])],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=TESTS_DIR, env=CHILD_ENV)
     assert proc.returncode == 2 and "error:" in proc.stderr

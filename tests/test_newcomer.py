@@ -1,4 +1,6 @@
 """The demo picture labels its panels (policy, s/image) and its rows (class) (issue 17)."""
+import os
+
 import numpy as np
 
 from marcache import demo
@@ -74,3 +76,24 @@ def test_auto_progress_shows_only_on_a_terminal(capsys, monkeypatch):
     bar.update(3)
     bar.close()
     assert bar.enabled and "3/3" in capsys.readouterr().err
+
+
+def test_every_subprocess_a_test_starts_sets_its_working_directory():
+    """`python -m pytest` from a clone's root (issue 17): a child process started there
+    would import the unbuilt marcache/ source folder instead of the installed package, so
+    every subprocess call in the tests names its working directory (cwd=)."""
+    import ast
+    import glob
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    missing = []
+    for path in sorted(glob.glob(os.path.join(tests_dir, "*.py"))):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess" and \
+                    node.func.attr in ("run", "Popen", "check_output", "check_call", "call") and \
+                    not any(k.arg == "cwd" for k in node.keywords):
+                missing.append(f"{os.path.basename(path)}:{node.lineno}")
+    assert not missing, f"subprocess calls without cwd=: {missing}"

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import marcache as mc
-from marcache import _C
 from marcache.policies import resolve
 from mar_fixtures import write_tiny_mar
 from reference import cfgfree as RF
@@ -167,7 +166,8 @@ def test_cfgfree_composed_runs_on_the_guard_backend_with_the_cpu_bits(tiny, tmp_
     code = (f"import json, marcache as mc; m = mc.load({str(path)!r}, diffusion_steps=10, device='guard'); "
             f"print(json.dumps(m.generate_tokens(cache={policy}, **{kw!r}).tolist()))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     guard = np.array(json.loads(proc.stdout.strip().splitlines()[-1]), np.float32)
     assert np.array_equal(guard, model.generate_tokens(cache=POLICIES["cfgfree+lazymar"], **kw))

@@ -219,7 +219,7 @@ def test_threads_sets_the_size_of_the_compute_team(tiny, tiny_reference_tokens, 
     tiny_path, _ = tiny
     out = tmp_path / "tokens.f32"
     result = subprocess.run([sys.executable, "-c", COUNT_THREADS, str(tiny_path), str(threads), str(out)],
-                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300, cwd=TESTS_DIR)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.split()[-1]) == threads - 1
     tokens = np.fromfile(out, np.float32).reshape(2, 256, CHANNELS)
@@ -253,7 +253,7 @@ def test_blas_core_names_the_kernels_in_use():
     assert core.lower() == _openblas_corename().lower()
     if platform.machine() in ("x86_64", "AMD64"):  # Haswell kernels need an x86-64 CPU with AVX2
         forced = subprocess.run([sys.executable, "-c", BLAS_CORE], capture_output=True, text=True, timeout=120,
-                                env=subprocess_env(OPENBLAS_CORETYPE="Haswell"))
+                                env=subprocess_env(OPENBLAS_CORETYPE="Haswell"), cwd=TESTS_DIR)
         assert forced.returncode == 0, forced.stderr
         assert forced.stdout.strip().lower() == "haswell"
 
@@ -264,7 +264,8 @@ def test_blas_core_prefers_avx512_kernels_on_amd():
     /proc/cpuinfo; on other CPUs the choice is OpenBLAS's own (checked against it)."""
     env = subprocess_env()
     env.pop("OPENBLAS_CORETYPE", None)
-    result = subprocess.run([sys.executable, "-c", BLAS_CORE], capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run([sys.executable, "-c", BLAS_CORE], capture_output=True, text=True, timeout=120, env=env,
+                            cwd=TESTS_DIR)
     assert result.returncode == 0, result.stderr
     with open("/proc/cpuinfo") as f:
         info = f.read()
@@ -412,7 +413,7 @@ def test_converter_peak_memory_is_about_one_tensor_not_the_checkpoint(tmp_path):
     size = os.path.getsize(src)
     assert size > 300 * 2**20 and largest == 12 * 2**20
     result = subprocess.run([sys.executable, "-c", CONVERT_AND_MEASURE, str(src), str(dst), "8"],
-                            capture_output=True, text=True, env=subprocess_env(), timeout=600)
+                            capture_output=True, text=True, env=subprocess_env(), timeout=600, cwd=TESTS_DIR)
     assert result.returncode == 0, result.stderr
     before, after = (int(v) for v in result.stdout.split()[-2:])
     growth = after - before

@@ -65,9 +65,10 @@ def test_readme_setup_block_from_a_fresh_clone(tmp_path):
     if shutil.which("git") is None or not os.path.exists(os.path.join(REPO_ROOT, ".git")):
         pytest.skip("not a git checkout (an installed copy of the tests): nothing to clone")
     clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", "--no-hardlinks", REPO_ROOT, str(clone)], check=True, timeout=300)
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", REPO_ROOT, str(clone)], check=True, timeout=300,
+                   cwd=str(tmp_path))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, cwd=str(tmp_path))
 
     setup = readme_block("setup")
     for command in setup:
