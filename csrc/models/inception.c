@@ -21,6 +21,8 @@
  * "plan" mode at load, which walks exactly the shapes of the real pass. */
 #include "inception.h"
 
+#include "../backend/workspace.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -61,10 +63,11 @@ struct mc_inception {
     inc_e m7b, m7c;
     float *fc_w; /* [num_classes, feature_dim] */
 
-    float *buf[SLOT_COUNT];
-    size_t buf_floats[SLOT_COUNT];
-    uint8_t *input;      /* uint8 images of one chunk, backend memory */
-    size_t input_bytes;
+    /* Named activation buffers (backend/workspace.h), indexed by the SLOT_
+     * names: a layer's output view names the slot it writes (the pass
+     * alternates X and Y as a mixed block's input and output). */
+    mc_buffer buf[SLOT_COUNT];
+    mc_buffer input; /* uint8 images of one chunk */
 };
 
 /* ---------------------------------------------------------------- loading */
@@ -343,7 +346,7 @@ typedef struct inc_run {
     mc_err *err;
 } inc_run;
 
-static float *at(inc_run *r, inc_view v) { return r->net->buf[v.slot] + v.col; }
+static float *at(inc_run *r, inc_view v) { return (float *)r->net->buf[v.slot].data + v.col; }
 
 static void record(inc_run *r, inc_view out, int64_t pixels) {
     size_t floats = (size_t)(r->batch * pixels * out.ld);
@@ -582,24 +585,20 @@ static mc_status run_network(inc_run *r) {
     mc_backend *be = net->be;
     mc_window2d g = {.batch = r->batch, .height = h, .width = w, .kh = (int)h, .kw = (int)w,
                      .stride_h = 1, .stride_w = 1, .pad_h = 0, .pad_w = 0};
-    MC_TRY(be->ops->avg_pool2d(be, &g, net->buf[cur], c, c, 0, net->buf[SLOT_POOL], f, r->err));
-    return be->ops->linear(be, net->buf[SLOT_POOL], f, r->batch, f, net->fc_w, NULL, k, MC_ACT_NONE,
-                           0.0f, net->buf[SLOT_LOGITS], k, r->err);
+    MC_TRY(be->ops->avg_pool2d(be, &g, (float *)net->buf[cur].data, c, c, 0, (float *)net->buf[SLOT_POOL].data, f, r->err));
+    return be->ops->linear(be, (float *)net->buf[SLOT_POOL].data, f, r->batch, f, net->fc_w, NULL, k, MC_ACT_NONE,
+                           0.0f, (float *)net->buf[SLOT_LOGITS].data, k, r->err);
 }
 
 static mc_status allocate_buffers(mc_inception *net, const size_t *need, mc_err *err) {
-    for (int s = 0; s < SLOT_COUNT; s++) {
-        size_t bytes;
-        if (mc_mul_overflows(need[s] ? need[s] : 1, sizeof(float), &bytes))
-            return mc_fail(err, MC_ERR_NOMEM, "Inception: activation buffer %d overflows", s);
-        net->buf[s] = net->be->ops->alloc(net->be, bytes, err);
-        if (net->buf[s] == NULL)
+    static const char *const slot_names[SLOT_COUNT] = {"inception.x", "inception.y", "inception.t1",
+                                                       "inception.t2", "inception.pool", "inception.logits"};
+    for (int s = 0; s < SLOT_COUNT; s++)
+        if (mc_buffer_floats(net->be, &net->buf[s], need[s], slot_names[s], err) == NULL)
             return mc_fail(err, MC_ERR_NOMEM,
-                           "Inception: cannot allocate %zu bytes of activations for %lld images "
-                           "per chunk (use a smaller chunk)",
-                           bytes, (long long)net->info.chunk);
-        net->buf_floats[s] = need[s];
-    }
+                           "Inception: cannot allocate %zu floats of activations for %lld images per chunk "
+                           "(use a smaller chunk)",
+                           need[s], (long long)net->info.chunk);
     return MC_OK;
 }
 
@@ -654,11 +653,8 @@ mc_status mc_inception_load(mc_backend *be, const mc_st_file *file, int64_t chun
 void mc_inception_free(mc_inception *net) {
     if (net == NULL)
         return;
-    for (int s = 0; s < SLOT_COUNT; s++)
-        if (net->buf[s] != NULL)
-            net->be->ops->release(net->be, net->buf[s]);
-    if (net->input != NULL)
-        net->be->ops->release(net->be, net->input);
+    mc_buffers_release(net->be, net->buf, SLOT_COUNT);
+    mc_buffer_release(net->be, &net->input);
     mc_alloc_list_free(&net->weights, net->be);
     free(net);
 }
@@ -680,32 +676,26 @@ mc_status mc_inception_forward(mc_inception *net, const uint8_t *images, int64_t
     const int64_t chunk = net->info.chunk;
     const size_t image_bytes = (size_t)(height * width * 3);
     const size_t need = (size_t)chunk * image_bytes;
-    if (net->input_bytes < need) {
-        if (net->input != NULL)
-            be->ops->release(be, net->input);
-        net->input_bytes = 0;
-        net->input = be->ops->alloc(be, need, err);
-        if (net->input == NULL)
-            return mc_fail(err, MC_ERR_NOMEM, "Inception: cannot allocate %zu bytes of input", need);
-        net->input_bytes = need;
-    }
+    uint8_t *input = mc_buffer_reserve(be, &net->input, need, 1, "inception.input", err);
+    if (input == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "Inception: cannot allocate %zu bytes of input", need);
     const int64_t f = net->info.feature_dim, k = net->info.num_classes;
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {
         if (cancel != NULL && cancel(cancel_ctx))
             return mc_fail(err, MC_ERR_INTERRUPTED, "Inception was interrupted");
         const int64_t b = n - i0 < chunk ? n - i0 : chunk;
-        MC_TRY(be->ops->upload(be, net->input, images + (size_t)i0 * image_bytes,
+        MC_TRY(be->ops->upload(be, input, images + (size_t)i0 * image_bytes,
                                (size_t)b * image_bytes, err));
-        MC_TRY(be->ops->resize_bilinear_tf1(be, net->input, MC_PIXEL_U8, b, height, width, 3,
+        MC_TRY(be->ops->resize_bilinear_tf1(be, input, MC_PIXEL_U8, b, height, width, 3,
                                             MC_INCEPTION_SIZE, MC_INCEPTION_SIZE, 1,
-                                            net->buf[SLOT_X], err));
+                                            (float *)net->buf[SLOT_X].data, err));
         inc_run r = {.net = net, .plan = 0, .batch = b, .cancel = cancel, .cancel_ctx = cancel_ctx,
                      .err = err};
         MC_TRY(run_network(&r));
-        MC_TRY(be->ops->download(be, pool_out + i0 * f, net->buf[SLOT_POOL],
+        MC_TRY(be->ops->download(be, pool_out + i0 * f, (float *)net->buf[SLOT_POOL].data,
                                  (size_t)(b * f) * sizeof(float), err));
         if (logits_out != NULL)
-            MC_TRY(be->ops->download(be, logits_out + i0 * k, net->buf[SLOT_LOGITS],
+            MC_TRY(be->ops->download(be, logits_out + i0 * k, (float *)net->buf[SLOT_LOGITS].data,
                                      (size_t)(b * k) * sizeof(float), err));
     }
     return MC_OK;

@@ -13,67 +13,17 @@
  * batch while keeping GEMMs large enough to run at full rate. */
 #define MAR_MLP_CHUNK_ROWS 4096
 
-enum {
-    WS_ENC_X, WS_QKV, WS_ATTN, WS_NORMED, WS_MLP_HIDDEN, WS_DEC_X, WS_GATHER, WS_TOKENS,
-    WS_HEAD_Y, WS_HEAD_ADA, WS_HEAD_H, WS_HEAD_U, WS_HEAD_U2
-};
-enum { WSI_A, WSI_B, WSI_C };
-
-/* Slot `slot` of `n_slots` grown to `count` elements of `elem` bytes
- * (grow-only: a smaller request returns the buffer as it is). */
-static void *grow_slot(mc_mar *mar, void **slots, size_t *counts, int n_slots, int slot, size_t count, size_t elem,
-                       mc_err *err) {
-    if (slot < 0 || slot >= n_slots) {
-        mc_fail(err, MC_ERR_INTERNAL, "workspace slot %d outside 0..%d", slot, n_slots - 1);
-        return NULL;
-    }
-    if (counts[slot] < count) {
-        mc_backend *be = mar->backend;
-        size_t bytes;
-        if (mc_mul_overflows(count, elem, &bytes)) {
-            mc_fail(err, MC_ERR_NOMEM, "workspace request of %zu elements overflows", count);
-            return NULL;
-        }
-        void *fresh = be->ops->alloc(be, bytes, err);
-        if (fresh == NULL)
-            return NULL;
-        if (slots[slot] != NULL)
-            be->ops->release(be, slots[slot]);
-        slots[slot] = fresh;
-        counts[slot] = count;
-    }
-    return slots[slot];
-}
-
-float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err) {
-    return grow_slot(mar, mar->ws.slots, mar->ws.slot_floats, MC_MAR_WS_SLOTS, slot, floats, sizeof(float), err);
-}
-
-int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err) {
-    return grow_slot(mar, mar->ws.index_slots, mar->ws.index_slot_count, MC_MAR_WSI_SLOTS, slot, count,
-                     sizeof(int32_t), err);
-}
+/* A named activation of the model grown to `count` floats / int32s. */
+#define ACT_FLOATS(m, name, count, err) mc_buffer_floats((m)->backend, &(m)->acts.name, (count), "mar." #name, (err))
+/* Uploads a host index array into the named index buffer. */
+#define ACT_ROWS(m, name, host, count, err)                                                                     \
+    mc_buffer_upload_ints((m)->backend, &(m)->acts.name, (host), (count), "mar." #name, (err))
 
 static void free_workspace(mc_mar *mar) {
-    mc_backend *be = mar->backend;
-    for (int i = 0; i < MC_MAR_WS_SLOTS; i++)
-        if (mar->ws.slots[i] != NULL)
-            be->ops->release(be, mar->ws.slots[i]);
-    for (int i = 0; i < MC_MAR_WSI_SLOTS; i++)
-        if (mar->ws.index_slots[i] != NULL)
-            be->ops->release(be, mar->ws.index_slots[i]);
-    memset(&mar->ws, 0, sizeof mar->ws);
-}
-
-/* Uploads a host index array into index slot `slot`. */
-static int32_t *upload_index(mc_mar *mar, int slot, const int32_t *host, int64_t count, mc_err *err) {
-    int32_t *dev = mc_mar_ws_index(mar, slot, (size_t)(count > 0 ? count : 1), err);
-    if (dev == NULL)
-        return NULL;
-    if (count > 0 &&
-        mar->backend->ops->upload(mar->backend, dev, host, (size_t)count * sizeof(int32_t), err) != MC_OK)
-        return NULL;
-    return dev;
+    MC_BUFFERS_RELEASE(mar->backend, &mar->acts);
+    if (mar->runtime.free != NULL)
+        mar->runtime.free(mar->runtime.data, mar->backend);
+    memset(&mar->runtime, 0, sizeof mar->runtime);
 }
 
 /* ---------------------------------------------------------------- loading */
@@ -413,7 +363,7 @@ static mc_status store_kv(mc_mar *m, const float *qkv, int64_t q_rows, int64_t d
             int64_t slot = io->store_slots ? io->store_slots[b * q_rows + r] : r;
             host[b * q_rows + r] = (int32_t)(b * io->store_cap + slot);
         }
-    int32_t *d_idx = upload_index(m, WSI_C, host, n, err);
+    int32_t *d_idx = ACT_ROWS(m, rows_c, host, n, err);
     free(host);
     if (d_idx == NULL)
         return err->status;
@@ -432,9 +382,9 @@ mc_status mc_mar_block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_
     const mc_ops *ops = be->ops;
     const int64_t rows = n_seq * q_rows;
     const int64_t head_dim = dim / heads;
-    float *normed = mc_mar_ws(m, WS_NORMED, (size_t)(rows * dim), err);
-    float *qkv = mc_mar_ws(m, WS_QKV, (size_t)(rows * 3 * dim), err);
-    float *attn = mc_mar_ws(m, WS_ATTN, (size_t)(rows * dim), err);
+    float *normed = ACT_FLOATS(m, normed, (size_t)(rows * dim), err);
+    float *qkv = ACT_FLOATS(m, qkv, (size_t)(rows * 3 * dim), err);
+    float *attn = ACT_FLOATS(m, attn, (size_t)(rows * dim), err);
     if (!normed || !qkv || !attn)
         return err->status;
     MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL,
@@ -464,8 +414,8 @@ mc_status mc_mar_block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     int64_t chunk = rows < MAR_MLP_CHUNK_ROWS ? rows : MAR_MLP_CHUNK_ROWS;
-    float *normed = mc_mar_ws(m, WS_NORMED, (size_t)(chunk * dim), err);
-    float *mlp_hidden = mc_mar_ws(m, WS_MLP_HIDDEN, (size_t)(chunk * hidden), err);
+    float *normed = ACT_FLOATS(m, normed, (size_t)(chunk * dim), err);
+    float *mlp_hidden = ACT_FLOATS(m, mlp_hidden, (size_t)(chunk * hidden), err);
     if (!normed || !mlp_hidden)
         return err->status;
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
@@ -515,12 +465,12 @@ mc_status mc_mar_encoder_input(mc_mar *m, const mc_mar_batch *batch, float *x, m
                 pos_rows[b * K + i] = (int32_t)(P + pos);
                 dst_rows[b * K + i] = (int32_t)(b * rows_per + P + i);
             }
-        int32_t *d_tok = upload_index(m, WSI_A, token_rows, n, err);
-        int32_t *d_pos = d_tok ? upload_index(m, WSI_B, pos_rows, n, err) : NULL;
-        int32_t *d_dst = d_pos ? upload_index(m, WSI_C, dst_rows, n, err) : NULL;
+        int32_t *d_tok = ACT_ROWS(m, rows_a, token_rows, n, err);
+        int32_t *d_pos = d_tok ? ACT_ROWS(m, rows_b, pos_rows, n, err) : NULL;
+        int32_t *d_dst = d_pos ? ACT_ROWS(m, rows_c, dst_rows, n, err) : NULL;
         free(host);
-        float *tok = mc_mar_ws(m, WS_TOKENS, (size_t)(n * C), err);
-        float *proj = mc_mar_ws(m, WS_GATHER, (size_t)(n * D), err);
+        float *tok = ACT_FLOATS(m, tokens, (size_t)(n * C), err);
+        float *proj = ACT_FLOATS(m, gather, (size_t)(n * D), err);
         if (!d_dst || !tok || !proj)
             return err->status;
         MC_TRY(ops->gather_rows(be, batch->tokens, C, d_tok, n, C, tok, C, err));
@@ -539,7 +489,7 @@ mc_status mc_mar_decoder_input(mc_mar *m, const float *enc, int64_t n_seq, int64
     const mc_mar_config *c = &m->config;
     const int64_t P = c->buffer_size, L = P + c->seq_len, D = c->width, Dd = c->dec_width;
     const int64_t rows_per = P + n_tok, n = n_seq * rows_per;
-    float *embedded = mc_mar_ws(m, WS_GATHER, (size_t)(n * Dd), err);
+    float *embedded = ACT_FLOATS(m, gather, (size_t)(n * Dd), err);
     int32_t *host = malloc((size_t)n * 2 * sizeof(int32_t));
     if (embedded == NULL || host == NULL) {
         free(host);
@@ -552,8 +502,8 @@ mc_status mc_mar_decoder_input(mc_mar *m, const float *enc, int64_t n_seq, int64
             pos_rows[b * rows_per + r] = pos;
             dst_rows[b * rows_per + r] = (int32_t)(b * L + pos);
         }
-    int32_t *d_pos = upload_index(m, WSI_A, pos_rows, n, err);
-    int32_t *d_dst = d_pos ? upload_index(m, WSI_B, dst_rows, n, err) : NULL;
+    int32_t *d_pos = ACT_ROWS(m, rows_a, pos_rows, n, err);
+    int32_t *d_dst = d_pos ? ACT_ROWS(m, rows_b, dst_rows, n, err) : NULL;
     free(host);
     if (d_dst == NULL)
         return err->status;
@@ -579,14 +529,14 @@ mc_status mc_mar_output_rows(mc_mar *m, const float *x, const int32_t *src_rows,
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const int64_t Dd = m->config.dec_width;
-    int32_t *d_src = upload_index(m, WSI_A, src_rows, n_out, err);
-    int32_t *d_pos = d_src ? upload_index(m, WSI_B, positions, n_out, err) : NULL;
-    float *tmp = mc_mar_ws(m, WS_GATHER, (size_t)(n_out * Dd), err);
+    int32_t *d_src = ACT_ROWS(m, rows_a, src_rows, n_out, err);
+    int32_t *d_pos = d_src ? ACT_ROWS(m, rows_b, positions, n_out, err) : NULL;
+    float *tmp = ACT_FLOATS(m, gather, (size_t)(n_out * Dd), err);
     if (d_pos == NULL || tmp == NULL)
         return err->status;
     MC_TRY(ops->gather_rows(be, x, Dd, d_src, n_out, Dd, z_out, Dd, err));
     if (extra != NULL) {
-        int32_t *d_extra = upload_index(m, WSI_C, extra_rows, n_out, err);
+        int32_t *d_extra = ACT_ROWS(m, rows_c, extra_rows, n_out, err);
         if (d_extra == NULL)
             return err->status;
         MC_TRY(ops->gather_rows(be, extra, Dd, d_extra, n_out, Dd, tmp, Dd, err));
@@ -620,7 +570,7 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
     const int64_t B = batch->n_seq, K = batch->n_known, P = c->buffer_size, S = c->seq_len;
     const int64_t D = c->width, Dd = c->dec_width, L = P + S, rows_per = P + K;
 
-    float *x = mc_mar_ws(m, WS_ENC_X, (size_t)(B * rows_per * D), err);
+    float *x = ACT_FLOATS(m, enc_x, (size_t)(B * rows_per * D), err);
     if (x == NULL)
         return err->status;
     MC_TRY(mc_mar_encoder_input(m, batch, x, err));
@@ -633,7 +583,7 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
     MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->enc_norm_w, m->enc_norm_b, MAR_LN_EPS, NULL,
                           NULL, 0, x, D, err));
 
-    float *f = mc_mar_ws(m, WS_DEC_X, (size_t)(B * L * Dd), err);
+    float *f = ACT_FLOATS(m, dec_x, (size_t)(B * L * Dd), err);
     if (f == NULL)
         return err->status;
     MC_TRY(mc_mar_decoder_init(m, f, B, err));
@@ -676,17 +626,17 @@ mc_status mc_mar_head_cond(mc_mar *m, const float *z, int64_t rows, float *c_emb
                                    c->head_width, err);
 }
 
-float *mc_mar_decoder_activations(mc_mar *mar) { return mar->ws.slots[WS_DEC_X]; }
+float *mc_mar_decoder_activations(mc_mar *mar) { return mar->acts.dec_x.data; }
 
-const float *mc_mar_last_qkv(mc_mar *mar) { return mar->ws.slots[WS_QKV]; }
+const float *mc_mar_last_qkv(mc_mar *mar) { return mar->acts.qkv.data; }
 
 mc_status mc_mar_head_activations(mc_mar *m, int64_t rows, mc_mar_head_acts *b, mc_err *err) {
     const int64_t W = m->config.head_width;
-    b->y = mc_mar_ws(m, WS_HEAD_Y, (size_t)(rows * W), err);
-    b->ada = mc_mar_ws(m, WS_HEAD_ADA, (size_t)(rows * 3 * W), err);
-    b->h = mc_mar_ws(m, WS_HEAD_H, (size_t)(rows * W), err);
-    b->u = mc_mar_ws(m, WS_HEAD_U, (size_t)(rows * W), err);
-    b->u2 = mc_mar_ws(m, WS_HEAD_U2, (size_t)(rows * W), err);
+    b->y = ACT_FLOATS(m, head_y, (size_t)(rows * W), err);
+    b->ada = ACT_FLOATS(m, head_ada, (size_t)(rows * 3 * W), err);
+    b->h = ACT_FLOATS(m, head_h, (size_t)(rows * W), err);
+    b->u = ACT_FLOATS(m, head_u, (size_t)(rows * W), err);
+    b->u2 = ACT_FLOATS(m, head_u2, (size_t)(rows * W), err);
     return (b->y && b->ada && b->h && b->u && b->u2) ? MC_OK : err->status;
 }
 

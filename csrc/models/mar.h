@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "../backend/ops.h"
+#include "../backend/workspace.h"
 #include "../io/bind.h"
 #include "../io/safetensors.h"
 
@@ -42,15 +43,29 @@ typedef struct mc_mar_res_block {
     void *mlp0_w, *mlp2_w, *ada_w;
 } mc_mar_res_block;
 
-/* Activation buffers, grown on demand and reused across steps and calls
- * (float slots and int32 index slots; access through mc_mar_ws /
- * mc_mar_ws_index, which check the slot). */
-typedef struct mc_mar_workspace {
-    void *slots[28];
-    size_t slot_floats[28];
-    void *index_slots[8];
-    size_t index_slot_count[8];
-} mc_mar_workspace;
+/* The model's named activations (backend/workspace.h): what its forward
+ * passes write, grown on demand and reused across steps and calls. */
+typedef struct mc_mar_acts {
+    mc_buffer enc_x;      /* encoder residual stream [B', P + K, D] */
+    mc_buffer dec_x;      /* decoder residual stream [B', P + S, Dd] */
+    mc_buffer normed;     /* a block's normed input [rows, dim] */
+    mc_buffer qkv;        /* a block's fused q, k, v [rows, 3 dim] */
+    mc_buffer attn;       /* a block's attention output [rows, dim] */
+    mc_buffer mlp_hidden; /* a block's MLP hidden chunk [chunk, hidden] */
+    mc_buffer tokens;     /* gathered known tokens [n, C] */
+    mc_buffer gather;     /* projected or gathered rows [n, D or Dd] */
+    mc_buffer head_y, head_ada, head_h, head_u, head_u2; /* mc_mar_head_acts */
+    mc_buffer rows_a, rows_b, rows_c;                    /* device row indices of the current pass */
+} mc_mar_acts;
+
+/* Workspace of the layers above the model (runtime/: the sampler and the
+ * cache policies), kept with the model so that a second call of the same
+ * size allocates nothing. The model does not know what it holds; it only
+ * frees it with the model. */
+typedef struct mc_mar_attached {
+    void *data;
+    void (*free)(void *data, mc_backend *be);
+} mc_mar_attached;
 
 typedef struct mc_mar {
     mc_backend *backend;
@@ -77,7 +92,8 @@ typedef struct mc_mar {
     float *time_embeddings; /* [n_timesteps, W] */
     int64_t n_timesteps;
 
-    mc_mar_workspace ws;
+    mc_mar_acts acts;
+    mc_mar_attached runtime; /* runtime/mar_workspace.h */
     void *head_graph; /* the backend's recorded head sampler steps, or NULL */
 } mc_mar;
 
@@ -198,19 +214,5 @@ float *mc_mar_decoder_activations(mc_mar *mar);
 void **mc_mar_head_graph(mc_mar *mar);
 /* The fused qkv [rows, 3 * dim] of the last mc_mar_block_attn call. */
 const float *mc_mar_last_qkv(mc_mar *mar);
-
-/* Workspace slots 0..12 and index slots 0..2 belong to the model's forward
- * passes; callers (runtime/) use the rest. */
-enum {
-    MC_MAR_WS_FIRST_FREE = 13,
-    MC_MAR_WS_SLOTS = 28,
-    MC_MAR_WSI_FIRST_FREE = 3,
-    MC_MAR_WSI_SLOTS = 8
-};
-
-/* Workspace slot access (grow-only; a slot outside the workspace is an
- * MC_ERR_INTERNAL failure). */
-float *mc_mar_ws(mc_mar *mar, int slot, size_t floats, mc_err *err);
-int32_t *mc_mar_ws_index(mc_mar *mar, int slot, size_t count, mc_err *err);
 
 #endif

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../runtime/mar_workspace.h"
 #include "../runtime/mar_sampler.h"
 #include "py_backend.h"
 #include "py_config.h"
@@ -296,9 +297,10 @@ static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
     mc_mar *mar = self->mar;
     mc_backend *be = self->backend;
     Py_BEGIN_ALLOW_THREADS
-    float *d_tokens = mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE, (size_t)(B * S * c->token_channels), &err);
-    float *d_class = d_tokens ? mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE + 1, (size_t)(B * c->width), &err) : NULL;
-    float *d_z = d_class ? mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE + 2, (size_t)(B * S * c->dec_width), &err) : NULL;
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, &err);
+    float *d_tokens = acts ? mc_buffer_floats(be, &acts->sampler.tokens, (size_t)(B * S * c->token_channels), "sampler.tokens", &err) : NULL;
+    float *d_class = d_tokens ? mc_buffer_floats(be, &acts->sampler.class_vectors, (size_t)(B * c->width), "sampler.class_vectors", &err) : NULL;
+    float *d_z = d_class ? mc_buffer_floats(be, &acts->sampler.z, (size_t)(B * S * c->dec_width), "sampler.z", &err) : NULL;
     st = d_z ? MC_OK : err.status;
     if (st == MC_OK)
         st = be->ops->upload(be, d_tokens, PyArray_DATA(tok), (size_t)(B * S * c->token_channels) * sizeof(float), &err);
@@ -365,11 +367,11 @@ static PyObject *mar_head(PyMAR *self, PyObject *args) {
     mc_backend *be = self->backend;
     const int64_t W = c->head_width, C = c->token_channels;
     Py_BEGIN_ALLOW_THREADS
-    int base = MC_MAR_WS_FIRST_FREE;
-    float *d_x = mc_mar_ws(mar, base, (size_t)(N * C), &err);
-    float *d_z = d_x ? mc_mar_ws(mar, base + 1, (size_t)(N * c->dec_width), &err) : NULL;
-    float *d_c = d_z ? mc_mar_ws(mar, base + 2, (size_t)(N * W), &err) : NULL;
-    float *d_out = d_c ? mc_mar_ws(mar, base + 3, (size_t)(N * 2 * C), &err) : NULL;
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, &err);
+    float *d_x = acts ? mc_buffer_floats(be, &acts->sampler.state, (size_t)(N * C), "sampler.state", &err) : NULL;
+    float *d_z = d_x ? mc_buffer_floats(be, &acts->sampler.z, (size_t)(N * c->dec_width), "sampler.z", &err) : NULL;
+    float *d_c = d_z ? mc_buffer_floats(be, &acts->sampler.cond_emb, (size_t)(N * W), "sampler.cond_emb", &err) : NULL;
+    float *d_out = d_c ? mc_buffer_floats(be, &acts->sampler.head_out, (size_t)(N * 2 * C), "sampler.head_out", &err) : NULL;
     st = d_out ? MC_OK : err.status;
     if (st == MC_OK)
         st = be->ops->upload(be, d_x, PyArray_DATA(x), (size_t)(N * C) * sizeof(float), &err);
@@ -436,7 +438,8 @@ static PyObject *mar_head_sample(PyMAR *self, PyObject *args, PyObject *kwargs) 
     mc_backend *be = self->backend;
     const int64_t zrows = PyArray_DIM(z, 0);
     Py_BEGIN_ALLOW_THREADS
-    float *d_z = mc_mar_ws(mar, MC_MAR_WS_FIRST_FREE + 2, (size_t)(zrows * c->dec_width), &err);
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, &err);
+    float *d_z = acts ? mc_buffer_floats(be, &acts->sampler.z, (size_t)(zrows * c->dec_width), "sampler.z", &err) : NULL;
     st = d_z ? MC_OK : err.status;
     if (st == MC_OK)
         st = be->ops->upload(be, d_z, PyArray_DATA(z), (size_t)(zrows * c->dec_width) * sizeof(float), &err);

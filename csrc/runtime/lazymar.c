@@ -124,7 +124,7 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
     mc_mar_kv_io io_sel = {.v_store = v_new, .store_seq = nc, .store_cap = L};
     MC_TRY(mc_mar_block_attn(mar, &mar->dec_blocks[sel], f, nc, L, Dd, c->dec_heads, &io_sel, err));
     *flops += mc_flops_block_attn(nc, L, L, Dd);
-    float *scores = mc_mar_ws(mar, MC_CACHES_WS_SCORES, (size_t)(nc * L), err);
+    float *scores = MC_POLICY_FLOATS(tc, scores, (size_t)(nc * L), err);
     if (scores == NULL)
         return err->status;
     MC_TRY(ops->cosine_rows(be, v_new, Dd, v_old, Dd, nc * L, (int)c->dec_heads, (int)(Dd / c->dec_heads),
@@ -135,10 +135,10 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
         mc_rows_choose(tc->scores_host + q * L, L, P, 0, s->pred_pos + b * s->n_pred, s->n_pred,
                        tc->prev_pred + b * p, p, keep, tc->taken, tc->order, kept + q * keep);
     }
-    float *xk = mc_mar_ws(mar, MC_CACHES_WS_KEPT_X, (size_t)(nc * keep * Dd), err);
+    float *xk = MC_POLICY_FLOATS(tc, kept_x, (size_t)(nc * keep * Dd), err);
     if (xk == NULL)
         return err->status;
-    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, kept, keep, MC_CACHES_WSI_ROWS, xk, err));
+    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, kept, keep, &tc->acts->rows, xk, err));
     MC_TRY(mc_mar_block_mlp(mar, &mar->dec_blocks[sel], xk, nc * keep, Dd, c->dec_mlp_hidden, err));
     *flops += mc_flops_block_mlp(nc * keep, Dd, c->dec_mlp_hidden);
     MC_TRY(mc_mar_caches_cache_aware_layers(tc, xk, kept, keep, sel + 1, flops, err));

@@ -76,6 +76,11 @@ mc_status mc_mar_caches_init(mc_mar_caches *tc, mc_mar *mar, const mc_mar_run_sh
     const mc_mar_config *c = &mar->config;
     memset(tc, 0, sizeof *tc);
     tc->mar = mar;
+    tc->acts = NULL;
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, err);
+    if (acts == NULL)
+        return err->status;
+    tc->acts = &acts->policy;
     tc->n_images = run->n_images;
     tc->cfg_on = run->cfg_on;
     tc->encoder_cache = encoder_cache;
@@ -239,7 +244,7 @@ static mc_status encoder_phase(mc_mar_caches *tc, const mc_mar_step *s, float *f
     const int64_t D = c->width, Dd = c->dec_width;
     if (!tc->encoder_cache) {
         const int64_t K = s->n_known, rows = P + K;
-        float *x = mc_mar_ws(mar, MC_CACHES_WS_ENC_X, (size_t)(nc * rows * D), err);
+        float *x = MC_POLICY_FLOATS(tc, enc_x, (size_t)(nc * rows * D), err);
         if (x == NULL)
             return err->status;
         mc_mar_batch batch = {.n_seq = nc, .n_known = K, .tokens = s->tokens, .known_pos = s->known_pos,
@@ -273,7 +278,7 @@ static mc_status encoder_phase(mc_mar_caches *tc, const mc_mar_step *s, float *f
     }
     const int64_t q_rows = P + p, keys = tc->enc_filled + p;
     mc_status st = MC_OK;
-    float *x = mc_mar_ws(mar, MC_CACHES_WS_ENC_X, (size_t)(nc * q_rows * D), err);
+    float *x = MC_POLICY_FLOATS(tc, enc_x, (size_t)(nc * q_rows * D), err);
     mc_mar_batch batch = {.n_seq = nc, .n_known = p, .tokens = s->tokens, .known_pos = new_pos,
                           .class_vectors = s->class_vectors};
     st = x ? mc_mar_encoder_input(mar, &batch, x, err) : err->status;
@@ -337,7 +342,7 @@ mc_status mc_mar_caches_cached_step(mc_mar_caches *tc, const mc_mar_step *s, int
     const mc_mar_config *c = &mar->config;
     const int64_t nc = tc->n_cache_seq, L = c->buffer_size + c->seq_len, Dd = c->dec_width;
     double flops = 0.0;
-    float *f = mc_mar_ws(mar, MC_CACHES_WS_DEC_X, (size_t)(nc * L * Dd), err);
+    float *f = MC_POLICY_FLOATS(tc, dec_x, (size_t)(nc * L * Dd), err);
     if (f == NULL)
         return err->status;
     MC_TRY(encoder_phase(tc, s, f, &flops, stats, err));

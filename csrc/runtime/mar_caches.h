@@ -12,19 +12,17 @@
 
 #include "head_cache.h"
 #include "mar_policy.h"
+#include "mar_workspace.h"
 
-/* Model workspace slots the cached steps use (the model's own are below
- * MC_MAR_WS_FIRST_FREE, the sampler's just above it). */
-enum {
-    MC_CACHES_WS_ENC_X = MC_MAR_WS_SLOTS - 1,  /* encoder rows of a cached step */
-    MC_CACHES_WS_DEC_X = MC_MAR_WS_SLOTS - 2,  /* decoder rows of a cached step */
-    MC_CACHES_WS_SCORES = MC_MAR_WS_SLOTS - 3, /* row scores (and MARche's generating queries) */
-    MC_CACHES_WS_KEPT_X = MC_MAR_WS_SLOTS - 4, /* the kept (active) rows */
-    MC_CACHES_WSI_ROWS = MC_MAR_WSI_SLOTS - 1  /* device row indices */
-};
+/* A named policy activation (mar_workspace.h) grown to `count` elements. */
+#define MC_POLICY_FLOATS(tc, name, count, err)                                                                 \
+    mc_buffer_floats((tc)->mar->backend, &(tc)->acts->name, (count), "policy." #name, (err))
+#define MC_POLICY_INTS(tc, name, count, err)                                                                   \
+    mc_buffer_ints((tc)->mar->backend, &(tc)->acts->name, (count), "policy." #name, (err))
 
 typedef struct mc_mar_caches {
     mc_mar *mar;
+    mc_mar_policy_acts *acts;      /* the policies' named activations (mar_workspace.h) */
     int64_t n_images, n_cache_seq; /* B, and the sequences with token caches */
     int cfg_on;
     int encoder_cache;             /* the encoder token cache is on */

@@ -9,12 +9,13 @@
 
 #include "../core/philox.h"
 #include "flops.h"
+#include "mar_workspace.h"
 
-enum {
-    WS_TOKENS = MC_MAR_WS_FIRST_FREE, WS_CLASS, WS_Z, WS_COND_EMB, WS_STATE, WS_HEAD_OUT, WS_EPS,
-    WS_NOISE, WS_EPS_DELTA
-}; /* the slots from MC_MAR_WS_SLOTS - 4 on belong to runtime/mar_caches.h */
-enum { WSI_IMAGES = MC_MAR_WSI_FIRST_FREE, WSI_POSITIONS, WSI_SCATTER };
+/* A named sampler activation (mar_workspace.h) grown to `count` elements. */
+#define SAMPLER_FLOATS(acts, name, count)                                                                      \
+    mc_buffer_floats(mar->backend, &(acts)->sampler.name, (size_t)(count), "sampler." #name, err)
+#define SAMPLER_INTS(acts, name, count)                                                                        \
+    mc_buffer_ints(mar->backend, &(acts)->sampler.name, (size_t)(count), "sampler." #name, err)
 
 int64_t mc_mask_len_after(int64_t seq_len, int64_t masked_before, int step, int num_steps) {
     /* Same operation order as the reference: np.cos(math.pi / 2. * (step + 1) / num_iter). */
@@ -152,14 +153,17 @@ mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, cons
     h.temperature = call->temperature;
     h.seed = call->seed;
     h.plan = call->plan;
-    h.c_emb = mc_mar_ws(mar, WS_COND_EMB, (size_t)(h.rows * W), err);
-    h.state = mc_mar_ws(mar, WS_STATE, (size_t)(n * C), err);
-    h.out = mc_mar_ws(mar, WS_HEAD_OUT, (size_t)(h.rows * 2 * C), err);
-    h.eps = mc_mar_ws(mar, WS_EPS, (size_t)(n * C), err);
-    h.noise = mc_mar_ws(mar, WS_NOISE, (size_t)(n * C), err);
-    h.eps_delta = mc_mar_ws(mar, WS_EPS_DELTA, (size_t)(n * C), err);
-    uint32_t *d_images = (uint32_t *)mc_mar_ws_index(mar, WSI_IMAGES, (size_t)n, err);
-    uint32_t *d_positions = (uint32_t *)mc_mar_ws_index(mar, WSI_POSITIONS, (size_t)n, err);
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, err);
+    if (acts == NULL)
+        return err->status;
+    h.c_emb = SAMPLER_FLOATS(acts, cond_emb, (h.rows * W));
+    h.state = SAMPLER_FLOATS(acts, state, (n * C));
+    h.out = SAMPLER_FLOATS(acts, head_out, (h.rows * 2 * C));
+    h.eps = SAMPLER_FLOATS(acts, eps, (n * C));
+    h.noise = SAMPLER_FLOATS(acts, noise, (n * C));
+    h.eps_delta = SAMPLER_FLOATS(acts, eps_delta, (n * C));
+    uint32_t *d_images = (uint32_t *)SAMPLER_INTS(acts, images, n);
+    uint32_t *d_positions = (uint32_t *)SAMPLER_INTS(acts, positions, n);
     if (!h.c_emb || !h.state || !h.out || !h.eps || !h.noise || !h.eps_delta || !d_images || !d_positions)
         return err->status;
     h.d_images = d_images;
@@ -321,9 +325,12 @@ static mc_status init_sequences(mc_mar_run *r, mc_err *err) {
     mc_backend *be = mar->backend;
     const mc_mar_config *c = &mar->config;
     const int64_t B = r->B, Bp = r->Bp, S = c->seq_len, C = c->token_channels;
-    r->tokens = mc_mar_ws(mar, WS_TOKENS, (size_t)(Bp * S * C), err);
-    r->class_vectors = mc_mar_ws(mar, WS_CLASS, (size_t)(Bp * c->width), err);
-    r->z = mc_mar_ws(mar, WS_Z, (size_t)(Bp * S * c->dec_width), err);
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, err);
+    if (acts == NULL)
+        return err->status;
+    r->tokens = SAMPLER_FLOATS(acts, tokens, (Bp * S * C));
+    r->class_vectors = SAMPLER_FLOATS(acts, class_vectors, (Bp * c->width));
+    r->z = SAMPLER_FLOATS(acts, z, (Bp * S * c->dec_width));
     if (!r->tokens || !r->class_vectors || !r->z)
         return err->status;
     for (int64_t b = 0; b < Bp; b++)
@@ -382,8 +389,11 @@ static mc_status scatter_sampled(mc_mar_run *r, int64_t n_head, mc_err *err) {
     mc_mar *mar = r->mar;
     mc_backend *be = mar->backend;
     const int64_t B = r->B, S = mar->config.seq_len, C = mar->config.token_channels;
-    float *dev_sampled = mc_mar_ws(mar, WS_STATE, (size_t)(n_head * C), err);
-    int32_t *d_scatter = (int32_t *)mc_mar_ws_index(mar, WSI_SCATTER, (size_t)n_head, err);
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, err);
+    if (acts == NULL)
+        return err->status;
+    float *dev_sampled = SAMPLER_FLOATS(acts, state, (n_head * C));
+    int32_t *d_scatter = SAMPLER_INTS(acts, scatter, n_head);
     if (!dev_sampled || !d_scatter)
         return err->status;
     for (int copy = 0; copy < (r->cfg_on ? 2 : 1); copy++) {

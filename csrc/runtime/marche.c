@@ -97,9 +97,9 @@ static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, in
     /* Relevance from the queries of the generating rows, read from this
      * layer's fused qkv (still in the workspace). */
     const float *qkv = mc_mar_last_qkv(mar);
-    float *q_gen = mc_mar_ws(mar, MC_CACHES_WS_SCORES, (size_t)(nc * ng * Dd + nc * L), err);
+    float *q_gen = MC_POLICY_FLOATS(tc, scores, (size_t)(nc * ng * Dd + nc * L), err);
     int32_t *rows = malloc((size_t)(nc * ng + 1) * sizeof(int32_t));
-    int32_t *d_rows = (int32_t *)mc_mar_ws_index(mar, MC_CACHES_WSI_ROWS, (size_t)(nc * ng + 1), err);
+    int32_t *d_rows = MC_POLICY_INTS(tc, rows, (size_t)(nc * ng + 1), err);
     if (q_gen == NULL || rows == NULL || d_rows == NULL) {
         free(rows);
         return rows == NULL ? mc_fail(err, MC_ERR_NOMEM, "cannot allocate query rows") : err->status;
@@ -133,10 +133,10 @@ static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, in
         mc_rows_choose(tc->scores_host + q * L, L, P, mc->cfg.candidates ? P : 0, s->pred_pos + b * ng, ng,
                        tc->prev_pred + b * p, p, n_active, tc->taken, tc->order, active + q * n_active);
     }
-    float *xa = mc_mar_ws(mar, MC_CACHES_WS_KEPT_X, (size_t)(nc * n_active * Dd), err);
+    float *xa = MC_POLICY_FLOATS(tc, kept_x, (size_t)(nc * n_active * Dd), err);
     if (xa == NULL)
         return err->status;
-    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, active, n_active, MC_CACHES_WSI_ROWS, xa, err));
+    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, active, n_active, &tc->acts->rows, xa, err));
     MC_TRY(mc_mar_caches_cache_aware_layers(tc, xa, active, n_active, mc->cfg.full_layers, flops, err));
     *out = xa;
     return MC_OK;

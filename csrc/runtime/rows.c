@@ -53,10 +53,10 @@ void mc_rows_choose(const float *key, int64_t L, int64_t P, int64_t first_candid
 }
 
 mc_status mc_rows_gather(mc_mar *mar, const float *f, int64_t n_seq, int64_t seq_rows, int64_t dim,
-                         const int32_t *kept, int64_t keep, int index_slot, float *out, mc_err *err) {
+                         const int32_t *kept, int64_t keep, mc_buffer *index_rows, float *out, mc_err *err) {
     mc_backend *be = mar->backend;
     int32_t *gather = malloc((size_t)(n_seq * keep + 1) * sizeof(int32_t));
-    int32_t *d_gather = (int32_t *)mc_mar_ws_index(mar, index_slot, (size_t)(n_seq * keep), err);
+    int32_t *d_gather = mc_buffer_ints(be, index_rows, (size_t)(n_seq * keep), "policy.rows", err);
     if (gather == NULL)
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate gather indices");
     for (int64_t q = 0; q < n_seq; q++)

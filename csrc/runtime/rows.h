@@ -17,8 +17,8 @@ void mc_rows_choose(const float *key, int64_t L, int64_t P, int64_t first_candid
 
 /* Gathers rows `kept` [n_seq, keep] (row indices within each sequence of
  * `seq_rows` rows) of f [n_seq, seq_rows, dim] into `out` [n_seq * keep, dim],
- * through device index slot `index_slot` of the model workspace. */
+ * through the device index buffer `index_rows`. */
 mc_status mc_rows_gather(mc_mar *mar, const float *f, int64_t n_seq, int64_t seq_rows, int64_t dim,
-                         const int32_t *kept, int64_t keep, int index_slot, float *out, mc_err *err);
+                         const int32_t *kept, int64_t keep, mc_buffer *index_rows, float *out, mc_err *err);
 
 #endif
