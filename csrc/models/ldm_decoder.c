@@ -297,9 +297,7 @@ mc_status mc_ldm_decoder_check_unused(const mc_ldm_decoder *dec, const mc_st_fil
 }
 
 void mc_ldm_decoder_release(mc_ldm_decoder *dec, mc_backend *be) {
-    for (int i = 0; i < 3; i++)
-        if (dec->buffers[i] != NULL)
-            be->ops->release(be, dec->buffers[i]);
+    mc_buffers_release(be, dec->buffers, 3);
     for (int level = 0; level < MC_LDM_MAX_LEVELS; level++) {
         free(dec->levels[level].blocks);
         free(dec->levels[level].attns);
@@ -337,27 +335,17 @@ static size_t activation_floats(const mc_ldm_decoder *dec, int64_t side) {
 }
 
 mc_status mc_ldm_decoder_reserve(mc_ldm_decoder *dec, mc_backend *be, int64_t side, mc_err *err) {
+    static const char *const names[3] = {"decoder.t0", "decoder.t1", "decoder.t2"};
     size_t floats = activation_floats(dec, side);
-    if (dec->buffer_floats >= floats)
-        return MC_OK;
-    for (int i = 0; i < 3; i++) {
-        if (dec->buffers[i] != NULL)
-            be->ops->release(be, dec->buffers[i]);
-        dec->buffers[i] = NULL;
-    }
-    dec->buffer_floats = 0;
-    for (int i = 0; i < 3; i++) {
-        dec->buffers[i] = be->ops->alloc(be, floats * sizeof(float), err);
-        if (dec->buffers[i] == NULL)
+    for (int i = 0; i < 3; i++)
+        if (mc_buffer_floats(be, &dec->buffers[i], floats, names[i], err) == NULL)
             return err->status; /* the others stay allocated and are freed later */
-    }
-    dec->buffer_floats = floats;
     return MC_OK;
 }
 
 /* The latent goes where run's post_quant_conv reads it without a copy: the
  * buffer that is t1 when run starts (see ldm_bufs). */
-float *mc_ldm_decoder_input_buffer(mc_ldm_decoder *dec) { return dec->buffers[1]; }
+float *mc_ldm_decoder_input_buffer(mc_ldm_decoder *dec) { return dec->buffers[1].data; }
 
 /* The three rotating activation buffers: x is the residual stream, t1 and
  * t2 are temporaries. Swapping pointers moves a result into x for free. */
@@ -442,10 +430,10 @@ mc_status mc_ldm_decoder_run(mc_ldm_decoder *dec, mc_backend *be, const float *l
                              void *cancel_ctx, mc_err *err) {
     const mc_ops *op = be->ops;
     const int64_t z = dec->z_channels, top = dec->ch * dec->ch_mult[dec->num_levels - 1];
-    if (dec->buffer_floats < activation_floats(dec, side))
+    if (dec->buffers[2].bytes < activation_floats(dec, side) * sizeof(float))
         return mc_fail(err, MC_ERR_INTERNAL, "%s decoder: buffers not reserved for latent side %lld",
                        dec->layout.model, (long long)side);
-    ldm_bufs bf = {dec->buffers[0], dec->buffers[1], dec->buffers[2]};
+    ldm_bufs bf = {dec->buffers[0].data, dec->buffers[1].data, dec->buffers[2].data};
     int64_t res = side;
 
     MC_TRY(op->conv2d(be, latent, 1, res, res, z, dec->post_quant_w, dec->post_quant_b, z,

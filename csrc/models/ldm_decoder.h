@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "../backend/ops.h"
+#include "../backend/workspace.h"
 #include "../core/mc_core.h"
 #include "../io/bind.h"
 #include "../io/safetensors.h"
@@ -120,10 +121,11 @@ typedef struct mc_ldm_decoder {
     float *norm_out_w, *norm_out_b;
     float *conv_out_w, *conv_out_b;
 
-    /* Activation buffers in backend memory, each `buffer_floats` long,
-     * sized for the largest latent side seen so far and reused. */
-    float *buffers[3];
-    size_t buffer_floats;
+    /* The three activation buffers the pass rotates through (named
+     * activations of backend/workspace.h, the rotation makes them
+     * interchangeable), each sized for the largest latent side seen so far
+     * and reused. */
+    mc_buffer buffers[3];
 } mc_ldm_decoder;
 
 /* Reads the configuration from the shapes of post_quant_conv.* and

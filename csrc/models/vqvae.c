@@ -46,10 +46,9 @@ struct mc_vqvae {
     float *phi_w[VQVAE_MAX_PHI];      /* packed [z, 3, 3, z] */
     float *phi_b[VQVAE_MAX_PHI];      /* [z] */
 
-    /* add_scale's workspace (grow-only): the up-sampled map and the Phi
-     * output, each `ws_floats` long. */
-    float *ws_up, *ws_phi;
-    size_t ws_floats;
+    /* add_scale's named activations (grow-only): a scale's bicubic-upsampled
+     * map and its Phi output [B, side, side, z]. */
+    mc_buffer up, phi;
 };
 
 /* ------------------------------------------------------------------ loading */
@@ -235,10 +234,8 @@ mc_status mc_vqvae_load(mc_backend *be, const mc_st_file *file, mc_vqvae **out, 
 void mc_vqvae_free(mc_vqvae *vq) {
     if (vq == NULL)
         return;
-    if (vq->ws_up != NULL)
-        vq->be->ops->release(vq->be, vq->ws_up);
-    if (vq->ws_phi != NULL)
-        vq->be->ops->release(vq->be, vq->ws_phi);
+    mc_buffer_release(vq->be, &vq->up);
+    mc_buffer_release(vq->be, &vq->phi);
     mc_ldm_decoder_release(&vq->dec, vq->be);
     mc_alloc_list_free(&vq->weights, vq->be);
     free(vq);
@@ -277,25 +274,9 @@ int mc_vqvae_phi_index(const mc_vqvae *vq, int si, int n_scales) {
 /* ------------------------------------------------------------ scale updates */
 
 static mc_status ensure_workspace(mc_vqvae *vq, size_t floats, mc_err *err) {
-    if (vq->ws_floats >= floats)
-        return MC_OK;
-    mc_backend *be = vq->be;
-    if (vq->ws_up != NULL)
-        be->ops->release(be, vq->ws_up);
-    if (vq->ws_phi != NULL)
-        be->ops->release(be, vq->ws_phi);
-    vq->ws_up = vq->ws_phi = NULL;
-    vq->ws_floats = 0;
-    size_t bytes;
-    if (mc_mul_overflows(floats, sizeof(float), &bytes))
-        return mc_fail(err, MC_ERR_NOMEM, "VQVAE: a workspace of %zu floats overflows", floats);
-    vq->ws_up = be->ops->alloc(be, bytes, err);
-    if (vq->ws_up == NULL)
+    if (mc_buffer_floats(vq->be, &vq->up, floats, "vqvae.up", err) == NULL ||
+        mc_buffer_floats(vq->be, &vq->phi, floats, "vqvae.phi", err) == NULL)
         return err->status;
-    vq->ws_phi = be->ops->alloc(be, bytes, err);
-    if (vq->ws_phi == NULL)
-        return err->status; /* ws_up stays allocated and is freed later */
-    vq->ws_floats = floats;
     return MC_OK;
 }
 
@@ -334,14 +315,14 @@ mc_status mc_vqvae_add_scale(mc_vqvae *vq, float *f_hat, int64_t n_images, int64
     MC_TRY(ensure_workspace(vq, (size_t)(pixels * z), err));
     const float *up = h;
     if (pn != side) {
-        MC_TRY(op->resize_bicubic(be, h, n_images, pn, pn, z, side, side, vq->ws_up, err));
-        up = vq->ws_up;
+        MC_TRY(op->resize_bicubic(be, h, n_images, pn, pn, z, side, side, (float *)vq->up.data, err));
+        up = (float *)vq->up.data;
     }
     const float r = (float)vq->info.quant_resi, keep = (float)(1.0 - vq->info.quant_resi);
     MC_TRY(op->conv2d(be, up, n_images, side, side, z, vq->phi_w[phi_index], vq->phi_b[phi_index], z,
-                      3, 0.0f, vq->ws_phi, err));
-    MC_TRY(op->axpby(be, keep, up, z, r, vq->ws_phi, z, pixels, z, err));
-    return op->axpby(be, 1.0f, vq->ws_phi, z, 1.0f, f_hat, z, pixels, z, err);
+                      3, 0.0f, (float *)vq->phi.data, err));
+    MC_TRY(op->axpby(be, keep, up, z, r, (float *)vq->phi.data, z, pixels, z, err));
+    return op->axpby(be, 1.0f, (float *)vq->phi.data, z, 1.0f, f_hat, z, pixels, z, err);
 }
 
 mc_status mc_vqvae_area_input(mc_vqvae *vq, const float *f_hat, int64_t n_images, int64_t side, int64_t pn,
