@@ -77,6 +77,15 @@ void mc_var_run_free(mc_var_run *r) {
     free(r);
 }
 
+/* Whether buffers of one backend can be handed to ops of the other: the
+ * same backend, or two CPU backends (plain host memory, ops that finish
+ * before they return). The guard backend keeps its memory closed to every
+ * other backend, and two CUDA backends run on unordered streams, so those
+ * pairs move data through the host. */
+static int backends_share_memory(const mc_backend *a, const mc_backend *b) {
+    return a == b || (strcmp(a->ops->name, "cpu") == 0 && strcmp(b->ops->name, "cpu") == 0);
+}
+
 /* Model and VQVAE agree (vocabulary, latent channels, a Phi conv for every
  * scale), the arguments are in range. */
 static mc_status check_run(const mc_var *var, const mc_vqvae *vq, const mc_var_generate_args *args, mc_err *err) {
@@ -118,7 +127,7 @@ mc_status mc_var_run_new(mc_var *var, mc_vqvae *vq, mc_backend *vq_backend, cons
     r->vq = vq;
     r->be = var->backend;
     r->vq_be = vq_backend;
-    r->shared = vq_backend == var->backend;
+    r->shared = backends_share_memory(var->backend, vq_backend);
     r->args = *args;
     r->tokens_out = tokens_out;
     r->f_hat_out = f_hat_out;

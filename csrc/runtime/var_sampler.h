@@ -46,8 +46,9 @@ typedef struct mc_var_run mc_var_run;
 extern const mc_generator_ops mc_var_generator;
 
 /* A run of `var` with the VQ update of `vq`, which lives on its own backend
- * (the VQVAE's; it may be var's backend): when the two differ, each scale's
- * token embeddings and the next scale's input move through the host.
+ * (the VQVAE's; it may be var's backend): unless the two share memory (one
+ * backend, or two CPU backends), each scale's token embeddings and the next
+ * scale's input move through the host.
  * Outputs (host): tokens_out int32 [n_images, L] (-1 at the tokens of
  * skipped scales) and f_hat_out float32 [n_images, side, side, Cvae].
  * Run it with mc_generate(&mc_var_generator, run, var->backend, ...), then
