@@ -308,8 +308,9 @@ def gumbel_probs(logits, logit_scale, tau, seed, images, positions, step):
 
 
 def guidance(cfg, si, n_scales):
-    """t = cfg * si / (n_scales - 1) (A4 step 3); 0 with one scale."""
-    return 0.0 if n_scales == 1 else cfg * si / (n_scales - 1)
+    """t = cfg * ratio with ratio = si / (n_scales - 1) (A4 step 3; the official order of the
+    double operations); 0 with one scale."""
+    return 0.0 if n_scales == 1 else cfg * (si / (n_scales - 1))
 
 
 def generate(model, vq, labels, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,
