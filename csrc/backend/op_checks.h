@@ -28,6 +28,7 @@ mc_status mc_check_resize(mc_pixel_type type, int64_t batch, int64_t in_h, int64
  * be 0) and a tensor size that fits int64 with room for index arithmetic. */
 mc_status mc_check_resize_f32(const char *op, int64_t batch, int64_t in_h, int64_t in_w,
                               int64_t channels, int64_t out_h, int64_t out_w, mc_err *err);
+
 /* sample_tokens and gumbel_softmax: rows >= 0, 1 <= vocab <= INT32_MAX (the
  * tokens are int32), ld >= vocab. */
 mc_status mc_check_logit_rows(const char *op, int64_t ld, int64_t rows, int64_t vocab, mc_err *err);
