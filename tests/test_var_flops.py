@@ -123,3 +123,20 @@ def test_bad_arguments():
         mc.flops("var_d17")
     # NoCache serves both families
     assert mc.flops("var_d16", cache=mc.NoCache()).total == mc.flops("var_d16").total
+
+
+def test_readme_flop_table_is_marcache_flops():
+    """The README's VAR FLOP table holds what marcache.flops computes (so it cannot drift)."""
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    rows = re.findall(r"^\| `(var_d\d+)` \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) % \(spec: ([\d.]+) %\)|"
+                      r"^\| `(var_d\d+)` \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) % \(([\d.]+) %\)", readme, re.M)
+    rows = [tuple(x for x in r if x) for r in rows]
+    assert [r[0] for r in rows] == ["var_d16", "var_d20", "var_d24", "var_d30"]
+    for name, engine, spec, share, spec_share in rows:
+        e, s = mc.flops(name), mc.flops(name, convention="spec")
+        assert f"{e.total / 1e9:.1f}" == engine and f"{s.total / 1e9:.1f}" == spec
+        assert f"{100 * sum(x['total'] for x in e.per_scale[-2:]) / e.total:.1f}" == share
+        assert f"{100 * sum(x['total'] for x in s.per_scale[-2:]) / s.total:.1f}" == spec_share
