@@ -19,7 +19,7 @@ from marcache.__main__ import main
 from mar_fixtures import write_tiny_mar
 from reference import inception as RI
 from reference import vae as ref_vae
-from var_fixtures import TINY_VAR, write_tiny_var, write_tiny_vqvae
+from var_api_files import TINY_VAR, write_tiny_var, write_tiny_vqvae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 README = os.path.join(os.path.dirname(HERE), "README.md")
