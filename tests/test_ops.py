@@ -161,6 +161,11 @@ def ref_cosine_rows(inputs, p):
     return ref.cosine_rows(a, b, p["heads"])
 
 
+def ref_head_l2norm(inputs, p):
+    x, scale = (tuple(inputs) + (None,))[:2]
+    return ref.head_l2norm(x, p["heads"], scale)
+
+
 def ref_attention_mass(inputs, p):
     q, k = inputs
     return ref.attention_mass(q, k, p["heads"], p.get("scale"))
@@ -168,6 +173,7 @@ def ref_attention_mass(inputs, p):
 
 REFERENCES = {
     "attention_mass": ref_attention_mass,
+    "head_l2norm": ref_head_l2norm,
     "axpby": ref_axpby,
     "cosine_rows": ref_cosine_rows,
     "gemm": ref_gemm,
@@ -269,7 +275,7 @@ def linear_builder(rows, inp, out, act="none", bias=True, beta=0.0, with_y=False
 
 
 for rows, inp, out in [(1, 1, 1), (1, 33, 17), (3, 17, 65), (17, 64, 80), (65, 33, 3)]:
-    for act in ("none", "gelu", "silu"):
+    for act in ("none", "gelu", "silu", "gelu_tanh"):
         case("linear", "%dx%dx%d-%s" % (rows, inp, out, act))(linear_builder(rows, inp, out, act))
 case("linear", "17x33x65-nobias-gelu")(linear_builder(17, 33, 65, "gelu", bias=False))
 case("linear", "17x33x65-nobias")(linear_builder(17, 33, 65, bias=False))
@@ -281,13 +287,16 @@ case("linear", "17x33x65-strided-residual")(linear_builder(17, 33, 65, beta=1.0,
                                                             strided=True))
 case("linear", "3x17x33-strided-gelu")(linear_builder(3, 17, 33, "gelu", with_y=True,
                                                       strided=True))
+case("linear", "3x17x33-strided-gelu_tanh")(linear_builder(3, 17, 33, "gelu_tanh", with_y=True,
+                                                           strided=True))
 # 16-bit weights (the model's dtype="bf16"/"fp16"): against the float64 result of the
 # unrounded inputs within the bounds of 16-bit operands (METHOD.md: bf16 between 1e-3 and
 # 1e-2; fp16 has 3 more mantissa bits), and against the float64 result of the rounded
 # operands at float32 accuracy, which pins the rounding (nearest even) and the float32 sums.
 for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
     for rows, inp, out, act, strided in [(1, 33, 17, "none", False), (17, 64, 80, "gelu", False),
-                                         (65, 256, 96, "silu", True), (3, 17, 65, "none", True)]:
+                                         (65, 256, 96, "silu", True), (3, 17, 65, "none", True),
+                                         (9, 64, 256, "gelu_tanh", False)]:
         name = "%dx%dx%d-%s-%s%s" % (rows, inp, out, act, wtype, "-strided" if strided else "")
         build = linear_builder(rows, inp, out, act, strided=strided, wtype=wtype)
         case("linear", name, tol=tol)(build)
@@ -339,7 +348,7 @@ def activation_builder(rows, dim, act, strided=False):
     return build
 
 
-for act in ("none", "gelu", "silu"):
+for act in ("none", "gelu", "silu", "gelu_tanh"):
     for rows, dim in [(1, 1), (3, 17), (17, 65), (65, 1024)]:
         case("activation", "%dx%d-%s" % (rows, dim, act))(activation_builder(rows, dim, act))
     case("activation", "17x33-%s-strided" % act)(activation_builder(17, 33, act, strided=True))
@@ -352,6 +361,11 @@ def activation_tails(rng):
 
 case("activation", "silu-tails")(activation_tails)
 case("activation", "gelu-tails")(lambda rng: (activation_tails(rng)[0], {"act": "gelu"}))
+# The tanh form's tails: x^3 overflows float32 beyond |x| ~ 7e12 (tanh(+-inf) = +-1
+# then gives x and 0, the limits), and the polynomial's cancellation near 0.
+case("activation", "gelu_tanh-tails")(lambda rng: ((np.array(
+    [[-1e20, -1e13, -100.0, -30.0, -10.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 10.0, 30.0, 100.0]],
+    dtype=F32),), {"act": "gelu_tanh"}))
 
 
 # add_rows: y[r] += v[r % period].
@@ -661,6 +675,33 @@ case("cosine_rows", "33x16x80-strided")(cosine_builder(33, 16, 80, strided=True)
 case("cosine_rows", "5x3x7-zero-row")(cosine_builder(5, 3, 7, zero_row=True))
 
 
+# head_l2norm: VAR's q/k normalisation in place: head dims 64 and 16, the q and k parts of a
+# fused qkv (strided), per-head scales (up to the ln 100 cap), no scale, a zero slice (eps),
+# one head, large magnitudes (the norm's squares in double).
+def head_l2norm_builder(rows, heads, hd, part=None, scaled=True, zero_slice=False, magnitude=1.0):
+    def build(rng):
+        cols = heads * hd
+        if part is None:
+            x = randn(rng, rows, cols, scale=magnitude)
+        else:  # the q (0) or k (1) part of a fused [rows, 3 * cols] qkv
+            x = randn(rng, rows, 3 * cols, scale=magnitude)[:, part * cols:(part + 1) * cols]
+        if zero_slice:
+            x[0, :hd] = 0.0
+        inputs = (x,)
+        if scaled:
+            inputs += (np.exp(rng.uniform(0.0, np.log(100.0), size=heads)).astype(F32),)
+        return inputs, {"heads": heads}
+    return build
+
+
+case("head_l2norm", "1x1x1")(head_l2norm_builder(1, 1, 1, scaled=False))
+case("head_l2norm", "17x2x64-scaled")(head_l2norm_builder(17, 2, 64))
+case("head_l2norm", "33x16x64-q-of-qkv")(head_l2norm_builder(33, 16, 64, part=0))
+case("head_l2norm", "33x16x64-k-of-qkv-unscaled")(head_l2norm_builder(33, 16, 64, part=1, scaled=False))
+case("head_l2norm", "5x3x16-zero-slice")(head_l2norm_builder(5, 3, 16, zero_slice=True))
+case("head_l2norm", "9x4x32-large")(head_l2norm_builder(9, 4, 32, magnitude=1e18))
+
+
 # attention_mass: head dims 64 and 80, one query, several, keys of odd length.
 def attention_mass_builder(batch, nq, keys, heads, hd, scale=None):
     def build(rng):
@@ -926,7 +967,7 @@ BAD_CALLS = [
      "unknown param 'alpah'"),
     ("gemm-arity", "cpu", "gemm", (_m(3, 4),), {}, ValueError, "expected 2 to 3 inputs"),
     ("linear-act", "cpu", "linear", (_m(2, 3), _m(4, 3)), {"act": "relu"}, ValueError,
-     "expected 'none', 'gelu' or 'silu'"),
+     "expected 'none', 'gelu', 'silu' or 'gelu_tanh'"),
     ("linear-beta-act", "cpu", "linear", (_m(2, 3), _m(4, 3), None, _m(2, 4)),
      {"act": "gelu", "beta": 1.0}, ValueError, "'act' must be 'none' when beta == 1"),
     ("linear-bias", "cpu", "linear", (_m(2, 3), _m(4, 3), _m(3)), {}, ValueError,
@@ -944,6 +985,10 @@ BAD_CALLS = [
      ValueError, "argument 'idx': expected dtype int32"),
     ("scatter-duplicate", "cpu", "scatter_rows",
      (_m(2, 3), np.array([1, 1], np.int32), _m(4, 3)), {}, ValueError, "appears twice"),
+    ("head_l2norm-heads", "cpu", "head_l2norm", (_m(2, 8),), {"heads": 3}, ValueError,
+     "not a positive multiple of heads"),
+    ("head_l2norm-scale-shape", "cpu", "head_l2norm", (_m(2, 8), _m(3)), {"heads": 2}, ValueError,
+     "argument 'head_scale': expected shape (2,), got (3,)"),
     ("attention-no-keys", "cpu", "attention", (_m(1, 2, 8), _m(1, 0, 8), _m(1, 0, 8)),
      {"heads": 2}, ValueError, "no keys"),
     ("attention-heads", "cpu", "attention", (_m(1, 2, 8), _m(1, 3, 8), _m(1, 3, 8)),

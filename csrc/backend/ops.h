@@ -19,7 +19,10 @@
 typedef struct mc_backend mc_backend;
 typedef struct mc_ops mc_ops;
 
-typedef enum mc_act { MC_ACT_NONE = 0, MC_ACT_GELU = 1, MC_ACT_SILU = 2 } mc_act;
+/* Activations of `linear` and `activation`: GELU is the exact erf form
+ * (nn.GELU()), GELU_TANH the tanh approximation (nn.GELU(approximate='tanh'),
+ * VAR's FFN): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+typedef enum mc_act { MC_ACT_NONE = 0, MC_ACT_GELU = 1, MC_ACT_SILU = 2, MC_ACT_GELU_TANH = 3 } mc_act;
 
 /* Element type of the weights `linear` reads on a backend (its
  * linear_wtype). With BF16 or F16 the layer runs as PyTorch's autocast

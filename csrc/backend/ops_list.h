@@ -250,4 +250,18 @@ MC_OP(resize_bilinear_tf1, ALL,
       (be, x, type, batch, in_h, in_w, channels, out_h, out_w, normalize, y, err),
       0)
 
+/* ---- VAR model ops (var_fastvar.md A5) ---- */
+
+/* In place, per row r and head h: the head slice v = x[r, h*hd : (h+1)*hd]
+ * becomes v / max(||v||_2, 1e-12) * head_scale[h] (F.normalize, then the
+ * per-head query scale of VAR's attn_l2_norm; head_scale is backend
+ * memory [heads], or NULL for 1). The norm is accumulated in double and
+ * each element computed in double and rounded once. Rows have stride ld
+ * (the q or k part of a fused qkv). */
+MC_OP(head_l2norm, ALL,
+      (mc_backend *be, float *x, int64_t ld, int64_t rows, int heads, int head_dim,
+       const float *head_scale, mc_err *err),
+      (be, x, ld, rows, heads, head_dim, head_scale, err),
+      0)
+
 #undef MC_OP

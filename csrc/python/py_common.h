@@ -14,5 +14,6 @@ int mcpy_ops_init(PyObject *module);
 int mcpy_mar_init(PyObject *module);
 int mcpy_vae_init(PyObject *module);
 int mcpy_inception_init(PyObject *module);
+int mcpy_var_init(PyObject *module);
 
 #endif

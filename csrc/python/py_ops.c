@@ -34,7 +34,8 @@
  *                A [m,k] ([k,m] if trans_a), B [k,n] ([n,k] if trans_b),
  *                C [m,n] (None: zeros); all strided -> C
  *   linear       (x [rows,in] strided, W [out,in], bias [out]=None,
- *                y [rows,out] strided=None); act="none"|"gelu"|"silu",
+ *                y [rows,out] strided=None); act="none"|"gelu"|"silu"|
+ *                "gelu_tanh",
  *                beta=0 (0 or 1; 1 needs act "none"), wtype="fp32"|"bf16"|
  *                "fp16" (the backend's linear_wtype: W, given as float32,
  *                is rounded to it here as the model loader does) -> y
@@ -79,6 +80,8 @@
  *                -> out [rows] (mean over heads of the per-head cosine)
  *   attention_mass (q [B,nq,H*hd], k [B,keys,H*hd]); heads, scale=hd**-0.5
  *                -> out [B,keys] (softmax probabilities summed over heads and queries)
+ *   head_l2norm  (x [rows,H*hd] strided, head_scale [H]=None); heads -> x
+ *                (each head slice L2-normalised, times head_scale[h])
  *   conv2d_ex    (x [B,H,W,Cin] pixel-strided, w [Cout,Cin,kh,kw] (PyTorch
  *                layout; repacked here), bias [Cout]=None, y [B,OH,OW,Cout]
  *                pixel-strided=None); stride_h=1, stride_w=1, pad_h=0,
@@ -630,10 +633,12 @@ static int param_act(op_call *call, const char *key, int required, mc_act *out) 
         *out = MC_ACT_GELU;
     else if (name != NULL && strcmp(name, "silu") == 0)
         *out = MC_ACT_SILU;
+    else if (name != NULL && strcmp(name, "gelu_tanh") == 0)
+        *out = MC_ACT_GELU_TANH;
     else {
         PyErr_Format(PyExc_ValueError,
-                     "%s: param '%s': expected 'none', 'gelu' or 'silu', got %R", call->op_name,
-                     key, value);
+                     "%s: param '%s': expected 'none', 'gelu', 'silu' or 'gelu_tanh', got %R",
+                     call->op_name, key, value);
         return -1;
     }
     return 0;
@@ -1288,6 +1293,23 @@ static PyObject *run_cosine_rows(op_call *call) {
         return NULL;
     RETURN_OP(call, out, cosine_rows, a->device, operand_ld(a), b->device, operand_ld(b), rows,
               (int)heads, head_dim, out->device);
+}
+
+static PyObject *run_head_l2norm(op_call *call) {
+    static const char *const keys[] = {"heads", NULL};
+    long long heads;
+    int head_dim;
+    operand *in[2];
+    if (check_param_keys(call, keys) < 0 ||
+        fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), OPT_IN("head_scale", 1, LAYOUT_CONTIGUOUS)),
+                   in) < 0)
+        return NULL;
+    operand *x = in[0], *scale = in[1];
+    if (param_heads(call, 4096, "x", x->shape[1], &heads, &head_dim) < 0 ||
+        (scale != NULL && check_dims(call, scale, (int64_t[]){heads}) < 0))
+        return NULL;
+    RETURN_OP(call, x, head_l2norm, x->device, operand_ld(x), x->shape[0], (int)heads, head_dim,
+              DEVICE_OR_NULL(scale));
 }
 
 static PyObject *run_attention_mass(op_call *call) {

@@ -37,3 +37,33 @@ double mc_flops_head_eval(const mc_mar_config *c, int64_t rows, int64_t x_rows, 
     }
     return f + 4.0 * r * W * W + 4.0 * r * W * C;
 }
+
+double mc_var_flops_conditioning(const mc_var_config *c, int64_t n_seq) {
+    const double C = (double)c->width, S = (double)n_seq;
+    return (double)c->depth * 2.0 * S * C * 6.0 * C + 2.0 * S * C * 2.0 * C;
+}
+
+double mc_var_flops_scale_input(const mc_var_config *c, int64_t n_maps, int64_t tokens) {
+    return 2.0 * (double)(n_maps * tokens) * (double)c->vae_channels * (double)c->width;
+}
+
+double mc_var_flops_attn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys) {
+    return mc_flops_block_attn(n_seq, rows, keys, c->width);
+}
+
+double mc_var_flops_ffn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t rows) {
+    return mc_flops_block_mlp(n_seq * rows, c->width, c->ffn_hidden);
+}
+
+double mc_var_flops_blocks(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys) {
+    return (double)c->depth *
+           (mc_var_flops_attn_sublayer(c, n_seq, rows, keys) + mc_var_flops_ffn_sublayer(c, n_seq, rows));
+}
+
+double mc_var_flops_logits(const mc_var_config *c, int64_t rows) {
+    return 2.0 * (double)rows * (double)c->width * (double)c->vocab;
+}
+
+double mc_var_flops_smooth(const mc_var_config *c, int64_t rows) {
+    return 2.0 * (double)rows * (double)c->vocab * (double)c->vae_channels;
+}

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "../models/mar.h"
+#include "../models/var.h"
 #include "head_cache.h"
 
 /* qkv + proj of q_rows rows per sequence, and attention against `keys` rows. */
@@ -21,5 +22,24 @@ double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n
 /* One head evaluation on `rows` rows whose x part has `x_rows` rows. */
 double mc_flops_head_eval(const mc_mar_config *c, int64_t rows, int64_t x_rows, mc_head_mode mode,
                           int skip_first, int skip_last);
+
+/* VAR (var_fastvar.md Part E, with every GEMM the engine dispatches). */
+/* The run's conditioning, computed once per run (not per scale as the
+ * official loop does): every block's ada_lin (6C x C) and the head's (2C x C)
+ * on n_seq sequences. */
+double mc_var_flops_conditioning(const mc_var_config *c, int64_t n_seq);
+/* word_embed of a later scale's input: n_maps maps of `tokens` tokens (the
+ * CFG copy is a copy, not a GEMM). */
+double mc_var_flops_scale_input(const mc_var_config *c, int64_t n_maps, int64_t tokens);
+/* One block's attention sublayer on `rows` rows per sequence attending to
+ * `keys` rows (qkv, proj, q k^T and p v), and its FFN sublayer. */
+double mc_var_flops_attn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys);
+double mc_var_flops_ffn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t rows);
+/* Every block on every row of a scale. */
+double mc_var_flops_blocks(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys);
+/* The head on `rows` rows (all sequences). */
+double mc_var_flops_logits(const mc_var_config *c, int64_t rows);
+/* more_smooth: the Gumbel probabilities times the codebook on `rows` rows. */
+double mc_var_flops_smooth(const mc_var_config *c, int64_t rows);
 
 #endif

@@ -15,6 +15,7 @@ from . import philox
 ACT_NONE = "none"
 ACT_GELU = "gelu"
 ACT_SILU = "silu"
+ACT_GELU_TANH = "gelu_tanh"
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -49,6 +50,13 @@ def gelu(x):
     return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
 
 
+def gelu_tanh(x):
+    """GELU, tanh approximation (var_fastvar.md A5.3, nn.GELU(approximate='tanh')):
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    x = f64(x)
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
 def sigmoid(x):
     """1 / (1 + exp(-x)) in float64 (exp overflow gives exactly 0)."""
     x = f64(x)
@@ -63,13 +71,15 @@ def silu(x):
 
 
 def activation(x, act):
-    """act(x) for act in {"none", "gelu", "silu"}."""
+    """act(x) for act in {"none", "gelu", "silu", "gelu_tanh"}."""
     if act == ACT_NONE or act is None:
         return f64(x).copy()
     if act == ACT_GELU:
         return gelu(x)
     if act == ACT_SILU:
         return silu(x)
+    if act == ACT_GELU_TANH:
+        return gelu_tanh(x)
     raise ValueError("unknown activation %r" % (act,))
 
 
@@ -340,6 +350,18 @@ def cosine_rows(a, b, heads, eps=1e-8):
     dot = (a * b).sum(-1)
     denom = np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), eps)
     return (dot / denom).mean(-1)
+
+
+def head_l2norm(x, heads, head_scale=None, eps=1e-12):
+    """Each head slice v of each row (x [rows, heads * hd]) as v / max(||v||_2, eps)
+    * head_scale[h] (F.normalize over the head channels, then VAR's per-head query
+    scale; var_fastvar.md A5.2). head_scale None: 1."""
+    x = f64(x)
+    rows, cols = x.shape
+    v = x.reshape(rows, heads, cols // heads)
+    norm = np.maximum(np.sqrt((v * v).sum(-1, keepdims=True)), eps)
+    scale = np.ones(heads) if head_scale is None else f64(head_scale)
+    return (v / norm * scale[None, :, None]).reshape(rows, cols)
 
 
 def attention_mass(q, k, heads, scale=None):

@@ -14,6 +14,14 @@ float mc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654
 
 float mc_silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* The tanh approximation in float32, the operation order of PyTorch's
+ * gelu(approximate='tanh'): inner = sqrt(2/pi) * (x + 0.044715 * x^3). */
+float mc_gelu_tanh(float x) {
+    const float cube = x * x * x;
+    const float inner = 0.79788456080286535588f * (x + 0.044715f * cube);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
 mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
                       float beta, float *c, int64_t ldc, mc_err *err) {
@@ -32,6 +40,9 @@ static void apply_act_rows(mc_backend *be, mc_act act, float *y, int64_t ldy, in
         if (act == MC_ACT_GELU)
             for (int64_t i = 0; i < dim; i++)
                 row[i] = mc_gelu_erf(row[i]);
+        else if (act == MC_ACT_GELU_TANH)
+            for (int64_t i = 0; i < dim; i++)
+                row[i] = mc_gelu_tanh(row[i]);
         else
             for (int64_t i = 0; i < dim; i++)
                 row[i] = mc_silu(row[i]);
@@ -278,6 +289,27 @@ mc_status mc_cpu_cosine_rows(mc_backend *be, const float *a, int64_t lda, const 
             total += dot / (denom > 1e-8 ? denom : 1e-8);
         }
         out[r] = (float)(total / heads);
+    }
+    return MC_OK;
+}
+
+mc_status mc_cpu_head_l2norm(mc_backend *be, float *x, int64_t ld, int64_t rows, int heads,
+                             int head_dim, const float *head_scale, mc_err *err) {
+    if (heads <= 0 || head_dim <= 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "head_l2norm: %d heads of %d channels", heads, head_dim);
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * heads * head_dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int h = 0; h < heads; h++) {
+            float *v = x + r * ld + (int64_t)h * head_dim;
+            double sq = 0.0;
+            for (int i = 0; i < head_dim; i++)
+                sq += (double)v[i] * v[i];
+            const double norm = sqrt(sq);
+            const double denom = norm > 1e-12 ? norm : 1e-12;
+            const double s = head_scale != NULL ? (double)head_scale[h] : 1.0;
+            for (int i = 0; i < head_dim; i++)
+                v[i] = (float)((double)v[i] / denom * s);
+        }
     }
     return MC_OK;
 }

@@ -35,6 +35,7 @@ float mc_cpu_prefill_bias(float *y, int64_t rows, int64_t cout, int64_t ldy, con
 /* Elementwise kernels shared by several ops. */
 float mc_gelu_erf(float x);
 float mc_silu(float x);
+float mc_gelu_tanh(float x);
 
 /* Plain-loop reference of mc_cpu_conv2d_ex (same contract), for tests. */
 mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,

@@ -20,11 +20,20 @@ __device__ __forceinline__ float gelu_erf(float x) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* The CPU's mc_gelu_tanh, same operation order (PyTorch's approximate='tanh'). */
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float cube = x * x * x;
+    const float inner = 0.79788456080286535588f * (x + 0.044715f * cube);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
 __device__ __forceinline__ float apply_act(int act, float v) {
     if (act == MC_ACT_GELU)
         return gelu_erf(v);
     if (act == MC_ACT_SILU)
         return silu(v);
+    if (act == MC_ACT_GELU_TANH)
+        return gelu_tanh(v);
     return v;
 }
 

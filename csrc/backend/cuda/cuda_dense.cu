@@ -324,3 +324,47 @@ mc_status mc_cuda_cosine_rows(mc_backend *be, const float *a, int64_t lda, const
     MC_CUDA_LAUNCHED("cosine_rows_kernel", err);
     return MC_OK;
 }
+
+/* ---- head_l2norm --------------------------------------------------------- */
+
+/* One warp per (row, head) slice, HL2_WARPS slices per block (grid-stride).
+ * The lanes reduce the squared norm in double (as the CPU), then each lane
+ * rescales the elements it read: v / max(||v||, 1e-12) * scale, in double,
+ * rounded once. */
+#define HL2_WARPS 4
+
+__global__ void head_l2norm_kernel(float *x, int64_t ld, int64_t rows, int heads, int head_dim,
+                                   const float *head_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t slices = rows * heads;
+    for (int64_t s = (int64_t)blockIdx.x * HL2_WARPS + warp; s < slices;
+         s += (int64_t)gridDim.x * HL2_WARPS) {
+        const int64_t r = s / heads;
+        const int h = (int)(s - r * heads);
+        float *v = x + r * ld + (int64_t)h * head_dim;
+        double sq = 0.0;
+        for (int i = lane; i < head_dim; i += 32) {
+            const double e = v[i];
+            sq += e * e;
+        }
+        sq = mc_warp_sum(sq);
+        const double norm = sqrt(sq);
+        const double denom = norm > 1e-12 ? norm : 1e-12;
+        const double scale = head_scale != NULL ? (double)head_scale[h] : 1.0;
+        for (int i = lane; i < head_dim; i += 32)
+            v[i] = (float)((double)v[i] / denom * scale);
+    }
+}
+
+mc_status mc_cuda_head_l2norm(mc_backend *be, float *x, int64_t ld, int64_t rows, int heads,
+                              int head_dim, const float *head_scale, mc_err *err) {
+    if (heads <= 0 || head_dim <= 0)
+        return mc_fail(err, MC_ERR_INTERNAL, "head_l2norm: %d heads of %d channels", heads, head_dim);
+    if (rows <= 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    head_l2norm_kernel<<<mc_cuda_blocks(rows * heads, HL2_WARPS), 32 * HL2_WARPS, 0,
+                         cuda_st(be)->stream>>>(x, ld, rows, heads, head_dim, head_scale);
+    MC_CUDA_LAUNCHED("head_l2norm_kernel", err);
+    return MC_OK;
+}

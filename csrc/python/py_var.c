@@ -1,0 +1,428 @@
+/* marcache._C.VAR: a loaded VAR transformer (models/var.h), its generation
+ * (runtime/var_sampler.h, through the one generation binding
+ * mcpy_generate), and components the tests compare with the float64
+ * reference scale by scale. Arguments are checked here and in marcache/;
+ * compute runs with the GIL released; one call at a time per model. */
+#include "py_numpy.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../models/var.h"
+#include "py_backend.h"
+
+typedef struct {
+    PyObject_HEAD
+    mc_backend *backend;
+    mc_var *var;
+    int busy; /* set while the GIL is released: one call at a time */
+} PyVAR;
+
+static void var_release_model(PyVAR *self) {
+    mc_var_free(self->var);
+    self->var = NULL;
+    mc_backend_destroy(self->backend);
+    self->backend = NULL;
+}
+
+static void var_dealloc(PyVAR *self) {
+    var_release_model(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static mc_status load_var(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
+    return mc_var_load(backend, file, (mc_var **)model, err);
+}
+
+static int var_init(PyVAR *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"path", "device", "dtype", "threads", NULL};
+    PyObject *path_obj = NULL;
+    const char *device = "cpu", *dtype = "fp32";
+    int threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&|ssi:VAR", keywords, PyUnicode_FSConverter, &path_obj,
+                                     &device, &dtype, &threads))
+        return -1;
+    mc_wtype wtype;
+    if (mcpy_parse_wtype(dtype, &wtype) < 0) {
+        Py_DECREF(path_obj);
+        return -1;
+    }
+    if (threads < 0) {
+        Py_DECREF(path_obj);
+        PyErr_SetString(PyExc_ValueError, "threads must be >= 0 (0 = all OpenMP threads)");
+        return -1;
+    }
+    if (self->busy) {
+        Py_DECREF(path_obj);
+        PyErr_SetString(PyExc_RuntimeError, "this VAR model is running a call in another thread");
+        return -1;
+    }
+    var_release_model(self); /* __init__ again on a live object: the new device and dtype apply */
+    mc_err err = {0};
+    mc_status st;
+    mc_backend *backend = NULL;
+    mc_var *var = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = mcpy_load_model(PyBytes_AS_STRING(path_obj), device, threads, wtype, load_var, &var, &backend, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_obj);
+    if (st != MC_OK) {
+        mcpy_raise(&err);
+        return -1;
+    }
+    self->backend = backend;
+    self->var = var;
+    return 0;
+}
+
+/* Takes the model for one call (GIL held); 0, or -1 with RuntimeError. */
+static int claim(PyVAR *self) {
+    if (self->var == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "VAR model is not loaded");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this VAR model is already running a call in another thread");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+/* A C-contiguous array of the given type and rank, or NULL with ValueError. */
+static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char *what) {
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 0, 0,
+                                                          NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
+                                                              NPY_ARRAY_FORCECAST);
+    if (arr == NULL)
+        return NULL;
+    if (PyArray_NDIM(arr) != ndim) {
+        char shape[160];
+        mcpy_format_array_shape(shape, sizeof shape, arr);
+        PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got shape %s", what, ndim, shape);
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+/* labels int32 [n] with every value in 0..num_classes (num_classes = the
+ * null class), n >= 1. */
+static PyArrayObject *sequence_labels(PyVAR *self, PyObject *obj) {
+    PyArrayObject *labels = as_array(obj, NPY_INT32, 1, "labels");
+    if (labels == NULL)
+        return NULL;
+    const int64_t n = PyArray_DIM(labels, 0), classes = self->var->config.num_classes;
+    const int32_t *v = PyArray_DATA(labels);
+    if (n == 0) {
+        Py_DECREF(labels);
+        PyErr_SetString(PyExc_ValueError, "labels must hold at least one sequence's label");
+        return NULL;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (v[i] < 0 || v[i] > classes) {
+            PyErr_Format(PyExc_ValueError, "label %d at index %lld is outside 0..%lld (%lld = the null class)", v[i],
+                         (long long)i, (long long)classes, (long long)classes);
+            Py_DECREF(labels);
+            return NULL;
+        }
+    return labels;
+}
+
+/* The number of scales k + 1 whose tokens add up to `tokens` (scales
+ * 0..k), or 0 when no prefix of the scales has that many. */
+static int scales_of_tokens(const mc_var_config *c, int64_t tokens) {
+    for (int k = 0; k < c->n_scales; k++)
+        if (c->scale_begin[k + 1] == tokens)
+            return k + 1;
+    return 0;
+}
+
+static PyObject *bad_token_count(const mc_var_config *c, const char *what, int64_t got, int64_t offset) {
+    char list[256];
+    size_t used = 0;
+    list[0] = '\0';
+    for (int k = 0; k < c->n_scales && used < sizeof list; k++)
+        used += (size_t)snprintf(list + used, sizeof list - used, "%s%lld", k ? ", " : "",
+                                 (long long)(c->scale_begin[k + 1] - offset));
+    return PyErr_Format(PyExc_ValueError, "%s has %lld tokens per sequence; it must cover whole scales from the "
+                        "first: one of %s", what, (long long)got, list);
+}
+
+/* scale_inputs(labels int32 [N], next_maps float32 [N, T, Cvae]) -> inputs float32 [N, first + T, C]:
+ * the input embedding of scales 0..k for N sequences, T = the tokens of scales 1..k (0: the first
+ * scale alone). Scale 0 is sos + pos_start + lvl_pos from the label; scale s > 0 is
+ * word_embed(next_maps rows of scale s) + lvl_pos (A4 steps 5 and 7, without the CFG copy). */
+static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
+    PyObject *labels_obj, *maps_obj;
+    if (!PyArg_ParseTuple(args, "OO:scale_inputs", &labels_obj, &maps_obj))
+        return NULL;
+    if (self->var == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    const mc_var_config *c = &self->var->config;
+    PyArrayObject *labels = sequence_labels(self, labels_obj);
+    PyArrayObject *maps = labels ? as_array(maps_obj, NPY_FLOAT32, 3, "next_maps") : NULL;
+    if (maps == NULL) {
+        Py_XDECREF(labels);
+        return NULL;
+    }
+    const int64_t N = PyArray_DIM(labels, 0), T = PyArray_DIM(maps, 1), first = c->scale_begin[1];
+    const int n_scales = scales_of_tokens(c, first + T);
+    PyArrayObject *out = NULL;
+    if (PyArray_DIM(maps, 0) != N || PyArray_DIM(maps, 2) != c->vae_channels) {
+        PyErr_Format(PyExc_ValueError, "next_maps must have shape [%lld, tokens, %lld] (one map row per label, "
+                     "vae_channels)", (long long)N, (long long)c->vae_channels);
+        goto done;
+    }
+    if (n_scales == 0) {
+        bad_token_count(c, "next_maps", T, first);
+        goto done;
+    }
+    const int64_t Lk = first + T, C = c->width;
+    npy_intp dims[3] = {(npy_intp)N, (npy_intp)Lk, (npy_intp)C};
+    out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
+    if (out == NULL || claim(self) < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    mc_err err = {0};
+    mc_status st = MC_OK;
+    mc_var *var = self->var;
+    mc_backend *be = self->backend;
+    const int32_t *label_data = PyArray_DATA(labels);
+    const float *map_data = PyArray_DATA(maps);
+    float *out_data = PyArray_DATA(out);
+    int64_t max_rows = 0;
+    for (int s = 0; s < n_scales; s++)
+        max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    Py_BEGIN_ALLOW_THREADS
+    float *d_map = NULL, *host = malloc((size_t)(N * max_rows * (C > c->vae_channels ? C : c->vae_channels)) *
+                                        sizeof(float));
+    if (host == NULL)
+        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the scale input staging buffer");
+    if (st == MC_OK)
+        st = mc_var_reserve(var, N, max_rows, &err);
+    if (st == MC_OK)
+        st = mc_var_condition(var, label_data, N, &err);
+    if (st == MC_OK && (d_map = be->ops->alloc(be, (size_t)(N * max_rows * c->vae_channels) * sizeof(float), &err)) ==
+                           NULL)
+        st = err.status;
+    for (int s = 0; s < n_scales && st == MC_OK; s++) {
+        const int64_t n = c->patch_nums[s] * c->patch_nums[s], begin = c->scale_begin[s];
+        if (s == 0) {
+            st = mc_var_first_input(var, N, var->acts.x, &err);
+        } else {
+            for (int64_t b = 0; b < N; b++)
+                memcpy(host + b * n * c->vae_channels, map_data + (b * T + begin - first) * c->vae_channels,
+                       (size_t)(n * c->vae_channels) * sizeof(float));
+            st = be->ops->upload(be, d_map, host, (size_t)(N * n * c->vae_channels) * sizeof(float), &err);
+            if (st == MC_OK)
+                st = mc_var_scale_input(var, s, d_map, N, 1, var->acts.x, &err);
+        }
+        if (st == MC_OK)
+            st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
+        for (int64_t b = 0; st == MC_OK && b < N; b++)
+            memcpy(out_data + (b * Lk + begin) * C, host + b * n * C, (size_t)(n * C) * sizeof(float));
+    }
+    if (d_map != NULL)
+        be->ops->release(be, d_map);
+    free(host);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (st != MC_OK) {
+        Py_CLEAR(out);
+        mcpy_raise(&err);
+    }
+done:
+    Py_DECREF(labels);
+    Py_DECREF(maps);
+    return (PyObject *)out;
+}
+
+/* forward_scales(labels int32 [N], inputs float32 [N, L_k, C]) -> (hidden float32 [N, L_k, C],
+ * logits float32 [N, L_k, V]): the KV-cached scale loop over scales 0..k on given inputs (L_k
+ * covers whole scales from the first), every block on every row of each scale, attending to the
+ * scales before; hidden is the last block's output, logits the head's. */
+static PyObject *var_forward_scales(PyVAR *self, PyObject *args) {
+    PyObject *labels_obj, *inputs_obj;
+    if (!PyArg_ParseTuple(args, "OO:forward_scales", &labels_obj, &inputs_obj))
+        return NULL;
+    if (self->var == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    const mc_var_config *c = &self->var->config;
+    PyArrayObject *labels = sequence_labels(self, labels_obj);
+    PyArrayObject *inputs = labels ? as_array(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
+    if (inputs == NULL) {
+        Py_XDECREF(labels);
+        return NULL;
+    }
+    const int64_t N = PyArray_DIM(labels, 0), Lk = PyArray_DIM(inputs, 1), C = c->width, V = c->vocab;
+    const int n_scales = scales_of_tokens(c, Lk);
+    PyArrayObject *hidden = NULL, *logits = NULL;
+    PyObject *result = NULL;
+    if (PyArray_DIM(inputs, 0) != N || PyArray_DIM(inputs, 2) != C) {
+        PyErr_Format(PyExc_ValueError, "inputs must have shape [%lld, tokens, %lld] (one row per label, width)",
+                     (long long)N, (long long)C);
+        goto done;
+    }
+    if (n_scales == 0) {
+        bad_token_count(c, "inputs", Lk, 0);
+        goto done;
+    }
+    npy_intp hdims[3] = {(npy_intp)N, (npy_intp)Lk, (npy_intp)C}, ldims[3] = {(npy_intp)N, (npy_intp)Lk, (npy_intp)V};
+    hidden = (PyArrayObject *)PyArray_SimpleNew(3, hdims, NPY_FLOAT32);
+    logits = hidden ? (PyArrayObject *)PyArray_SimpleNew(3, ldims, NPY_FLOAT32) : NULL;
+    if (logits == NULL || claim(self) < 0)
+        goto done;
+    mc_err err = {0};
+    mc_status st = MC_OK;
+    mc_var *var = self->var;
+    mc_backend *be = self->backend;
+    const int32_t *label_data = PyArray_DATA(labels);
+    const float *in = PyArray_DATA(inputs);
+    float *h_out = PyArray_DATA(hidden), *l_out = PyArray_DATA(logits);
+    int64_t max_rows = 0;
+    for (int s = 0; s < n_scales; s++)
+        max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    Py_BEGIN_ALLOW_THREADS
+    float *host = malloc((size_t)(N * max_rows * (C > V ? C : V)) * sizeof(float));
+    if (host == NULL)
+        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the staging buffer of one scale");
+    if (st == MC_OK)
+        st = mc_var_reserve(var, N, max_rows, &err);
+    if (st == MC_OK)
+        st = mc_var_condition(var, label_data, N, &err);
+    for (int s = 0; s < n_scales && st == MC_OK; s++) {
+        const int64_t n = c->patch_nums[s] * c->patch_nums[s], begin = c->scale_begin[s];
+        for (int64_t b = 0; b < N; b++)
+            memcpy(host + b * n * C, in + (b * Lk + begin) * C, (size_t)(n * C) * sizeof(float));
+        st = be->ops->upload(be, var->acts.x, host, (size_t)(N * n * C) * sizeof(float), &err);
+        if (st == MC_OK)
+            st = mc_var_blocks(var, var->acts.x, N, n, begin, &err);
+        if (st == MC_OK)
+            st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
+        for (int64_t b = 0; st == MC_OK && b < N; b++)
+            memcpy(h_out + (b * Lk + begin) * C, host + b * n * C, (size_t)(n * C) * sizeof(float));
+        if (st == MC_OK)
+            st = mc_var_logits(var, var->acts.x, N, n, var->acts.logits, &err);
+        if (st == MC_OK)
+            st = be->ops->download(be, host, var->acts.logits, (size_t)(N * n * V) * sizeof(float), &err);
+        for (int64_t b = 0; st == MC_OK && b < N; b++)
+            memcpy(l_out + (b * Lk + begin) * V, host + b * n * V, (size_t)(n * V) * sizeof(float));
+    }
+    free(host);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (st != MC_OK) {
+        mcpy_raise(&err);
+        goto done;
+    }
+    result = Py_BuildValue("(OO)", hidden, logits);
+done:
+    Py_XDECREF(hidden);
+    Py_XDECREF(logits);
+    Py_DECREF(labels);
+    Py_DECREF(inputs);
+    return result;
+}
+
+static PyObject *var_get_config(PyVAR *self, void *closure) {
+    (void)closure;
+    if (self->var == NULL)
+        Py_RETURN_NONE;
+    const mc_var_config *c = &self->var->config;
+    PyObject *patch_nums = PyTuple_New(c->n_scales);
+    for (int i = 0; patch_nums != NULL && i < c->n_scales; i++) {
+        PyObject *v = PyLong_FromLongLong((long long)c->patch_nums[i]);
+        if (v == NULL) {
+            Py_CLEAR(patch_nums);
+            break;
+        }
+        PyTuple_SET_ITEM(patch_nums, i, v);
+    }
+    if (patch_nums == NULL)
+        return NULL;
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:N,s:L,s:i}", "depth", (long long)c->depth, "width",
+                         (long long)c->width, "heads", (long long)c->heads, "head_dim", (long long)c->head_dim,
+                         "ffn_hidden", (long long)c->ffn_hidden, "vocab", (long long)c->vocab, "vae_channels",
+                         (long long)c->vae_channels, "num_classes", (long long)c->num_classes, "patch_nums",
+                         patch_nums, "tokens", (long long)c->tokens, "n_scales", c->n_scales);
+}
+
+static PyObject *var_get_num_params(PyVAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->var ? (long long)mc_var_num_params(self->var) : 0);
+}
+
+static PyObject *var_get_allocations(PyVAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
+}
+
+static PyObject *var_get_syncs(PyVAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
+}
+
+static PyObject *var_get_flops(PyVAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->dispatched_flops : 0);
+}
+
+static PyObject *var_get_device(PyVAR *self, void *closure) {
+    (void)closure;
+    if (self->backend == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(self->backend->ops->name);
+}
+
+static PyMethodDef var_methods[] = {
+    {"scale_inputs", (PyCFunction)var_scale_inputs, METH_VARARGS,
+     "scale_inputs(labels int32 [N] (num_classes = null class), next_maps float32 [N, T, Cvae]) -> inputs "
+     "float32 [N, first + T, C]: the input embedding of the scales whose tokens next_maps covers (T = the "
+     "tokens of scales 1..k; scale 0 comes from the label)"},
+    {"forward_scales", (PyCFunction)var_forward_scales, METH_VARARGS,
+     "forward_scales(labels int32 [N], inputs float32 [N, L_k, C]) -> (hidden [N, L_k, C], logits [N, L_k, V]): "
+     "the KV-cached scale loop over scales 0..k on the given inputs"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef var_getset[] = {
+    {"config", (getter)var_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
+    {"num_params", (getter)var_get_num_params, NULL, "number of parameters (buffers excluded)", NULL},
+    {"backend_allocations", (getter)var_get_allocations, NULL,
+     "allocations of backend memory so far (weights, activations, KV cache, scratch growth)", NULL},
+    {"backend_syncs", (getter)var_get_syncs, NULL,
+     "host waits for the backend so far: downloads and uploads over 1 MiB (counted alike on every backend)", NULL},
+    {"backend_flops", (getter)var_get_flops, NULL,
+     "FLOPs of the GEMM and attention ops dispatched so far (ops_list.h's convention); counted on the guard "
+     "backend only, 0 elsewhere", NULL},
+    {"device", (getter)var_get_device, NULL, "the backend the model runs on", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PyVAR_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "marcache._C.VAR",
+    .tp_basicsize = sizeof(PyVAR),
+    .tp_dealloc = (destructor)var_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "VAR(path, device='cpu', dtype='fp32', threads=0): a VAR transformer (var_fastvar.md Part A)",
+    .tp_methods = var_methods,
+    .tp_getset = var_getset,
+    .tp_init = (initproc)var_init,
+    .tp_new = PyType_GenericNew,
+};
+
+int mcpy_var_init(PyObject *module) {
+    if (PyType_Ready(&PyVAR_Type) < 0)
+        return -1;
+    Py_INCREF(&PyVAR_Type);
+    if (PyModule_AddObject(module, "VAR", (PyObject *)&PyVAR_Type) < 0) {
+        Py_DECREF(&PyVAR_Type);
+        return -1;
+    }
+    return 0;
+}

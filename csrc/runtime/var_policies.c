@@ -1,0 +1,25 @@
+/* The registry of VAR cache policies: the binding finds a policy here by the
+ * name the Python policy carries. A new policy (FastVAR) adds one line. */
+#include <string.h>
+
+#include "var_policy.h"
+
+const mc_var_policy_ops *const mc_var_policies[] = {
+    &mc_var_nocache_policy,
+    NULL,
+};
+
+const mc_var_policy_ops *mc_var_policy_find(const char *name) {
+    /* The Python NoCache class serves both families under MAR's name. */
+    if (strcmp(name, "none") == 0)
+        return &mc_var_nocache_policy;
+    for (int i = 0; mc_var_policies[i] != NULL; i++)
+        if (strcmp(mc_var_policies[i]->schema.name, name) == 0)
+            return mc_var_policies[i];
+    return NULL;
+}
+
+const mc_config_schema *mc_var_policy_schema(const char *name) {
+    const mc_var_policy_ops *ops = mc_var_policy_find(name);
+    return ops ? &ops->schema : NULL;
+}

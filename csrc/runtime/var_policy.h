@@ -1,0 +1,96 @@
+/* The VAR cache-policy seam (the VAR family's counterpart of mar_policy.h).
+ * A policy is one C file that fills one mc_var_policy_ops table; the scale
+ * loop (var_sampler.c) calls it once per phase and never names a policy:
+ *
+ *   create       before the loop: the policy's state for this run (the model's
+ *                activations and KV cache are already sized for the run)
+ *   scale_plan   per scale: run it or skip it. Only trailing scales may be
+ *                skipped (FastVAR's ratio 1: the f_hat so far is decoded as is);
+ *                the sampler refuses a plan that runs a scale after a skip
+ *   transformer  per run scale: every block on the scale's input rows, leaving
+ *                the last block's output of every row in scale->x and the rows'
+ *                K/V in the model's KV cache (the plain blocks for NoCache;
+ *                FastVAR prunes rows per block and sublayer, fills the pruned
+ *                rows from its cached outputs and appends only kept K/V)
+ *   cache_bytes  per scale: bytes the policy holds (telemetry)
+ *   free         after the run
+ *
+ * The sampler owns everything else: the conditioning, the scale inputs, the
+ * logits of all rows, guidance, sampling and the VQ update. Register a new
+ * policy in var_policies.c. */
+#ifndef MC_VAR_POLICY_H
+#define MC_VAR_POLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../models/var.h"
+#include "config_fields.h"
+
+/* The run a policy is created for. */
+typedef struct mc_var_run_shape {
+    int64_t n_images; /* B */
+    int cfg_on;       /* the unconditional half runs too: B' = 2B sequences (cond, then uncond) */
+    int64_t n_seq;    /* B' */
+} mc_var_run_shape;
+
+/* One scale's transformer input as the sampler knows it. */
+typedef struct mc_var_scale {
+    int si, n_scales;
+    int64_t n_seq;  /* B' */
+    int64_t pn;     /* side of the token map */
+    int64_t tokens; /* pn * pn rows per sequence */
+    int64_t begin;  /* the scale's first token in the L-token sequence (= the plain KV length before it) */
+    float *x;       /* backend [n_seq, tokens, C]: the scale's input; the last block's output on return */
+} mc_var_scale;
+
+/* What a policy's transformer did (telemetry). */
+typedef struct mc_var_transformer_stats {
+    int full;              /* every block ran on every row (no cached output was used) */
+    int64_t sublayer_rows; /* rows run, summed over every sublayer of every block and sequence */
+    int64_t kv_rows;       /* K/V rows per sequence after the scale (the largest over blocks) */
+    double flops;          /* runtime/flops.h rules */
+} mc_var_transformer_stats;
+
+typedef struct mc_var_policy_ops {
+    /* The policy's name, its config field by field, the config struct's
+     * size. The first member, so a schema found by name is the table. */
+    mc_config_schema schema;
+    /* Cross-field and model-dependent checks of a filled config. */
+    mc_status (*check)(const void *config, const mc_var_config *model, mc_err *err);
+    mc_status (*create)(mc_var *var, const void *config, const mc_var_run_shape *run, void **state, mc_err *err);
+    /* 1: run scale si; 0: skip it (and, necessarily, every later scale). */
+    int (*scale_plan)(void *state, int si);
+    mc_status (*transformer)(void *state, const mc_var_scale *scale, mc_var_transformer_stats *stats, mc_err *err);
+    size_t (*cache_bytes)(const void *state);
+    void (*free)(void *state);
+} mc_var_policy_ops;
+
+/* The ops table of a policy whose functions are <prefix>_check, _create,
+ * _scale_plan, _transformer, _cache_bytes and _free. */
+#define MC_VAR_POLICY_OPS(prefix, policy_name, field_table, config_type)                                    \
+    {.schema = {policy_name, field_table, sizeof(config_type)}, .check = prefix##_check,                    \
+     .create = prefix##_create, .scale_plan = prefix##_scale_plan, .transformer = prefix##_transformer,     \
+     .cache_bytes = prefix##_cache_bytes, .free = prefix##_free}
+
+/* A policy made for one run. */
+typedef struct mc_var_policy {
+    const mc_var_policy_ops *ops;
+    void *state;
+} mc_var_policy;
+
+/* The registered policies, or the one named `name` (NULL if none). "none",
+ * the name of the Python NoCache class MAR and VAR share, finds NoCache. */
+extern const mc_var_policy_ops *const mc_var_policies[];
+const mc_var_policy_ops *mc_var_policy_find(const char *name);
+const mc_config_schema *mc_var_policy_schema(const char *name);
+
+extern const mc_var_policy_ops mc_var_nocache_policy;
+
+/* The plain transformer of a scale (every block on every row, K/V appended
+ * after the scales before it): what NoCache runs at every scale, and what a
+ * pruning policy runs at the scales it leaves alone. */
+mc_status mc_var_plain_transformer(mc_var *var, const mc_var_scale *scale, mc_var_transformer_stats *stats,
+                                   mc_err *err);
+
+#endif
