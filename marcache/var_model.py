@@ -217,13 +217,22 @@ class VARModel:
         return _C._vae_to_uint8(self.decode_float(tokens_or_fhat))
 
     def scale_inputs(self, labels, next_maps):
-        """The transformer's input rows of every scale given the labels [B] (the null
-        class num_classes allowed) and the area-resized f_hat maps of scales 1..k
-        (a list of float32 [B, pn, pn, Cvae]): float32 [B, L_k, C] (scale 0: sos +
-        pos_start + lvl_pos; scale si > 0: word_embed(map) + lvl_pos)."""
+        """The transformer's input rows of scales 0..k for labels int [B] (num_classes, the
+        null class, allowed) and the next-scale maps of scales 1..k (the area-resized
+        f_hat): either float32 [B, T, Cvae] (T = the tokens of scales 1..k, raster order
+        scale by scale; T = 0 for scale 0 alone) or a list of float32 [B, pn, pn, Cvae],
+        one per scale 1..k. Returns float32 [B, L_k, C]: scale 0 is sos + pos_start +
+        lvl_pos, scale si > 0 word_embed(map) + lvl_pos."""
         labels = np.ascontiguousarray(labels, np.int32)
-        maps = [np.ascontiguousarray(m, np.float32) for m in next_maps]
-        return self._var.scale_inputs(labels, maps)
+        if isinstance(next_maps, (list, tuple)):
+            z = self.config["vae_channels"]
+            maps = [np.asarray(m, np.float32) for m in next_maps]
+            for i, m in enumerate(maps):
+                if m.ndim != 4 or m.shape[0] != labels.size or m.shape[1] != m.shape[2] or m.shape[3] != z:
+                    raise ValueError(f"next_maps[{i}] must be float32 [{labels.size}, pn, pn, {z}], got {m.shape}")
+            next_maps = (np.concatenate([m.reshape(labels.size, -1, z) for m in maps], axis=1) if maps
+                         else np.zeros((labels.size, 0, z), np.float32))
+        return self._var.scale_inputs(labels, np.ascontiguousarray(next_maps, np.float32))
 
     def forward_scales(self, labels, inputs):
         """The KV-cached scale loop on given inputs: labels int32 [B'] (num_classes = the

@@ -19,13 +19,13 @@ from marcache.__main__ import main
 from mar_fixtures import write_tiny_mar
 from reference import inception as RI
 from reference import vae as ref_vae
-from var_api_files import TINY_VAR, write_tiny_var, write_tiny_vqvae
+from var_api_files import TINY_VAR, write_tiny_var, write_tiny_vqvae, write_var_with_metadata
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 README = os.path.join(os.path.dirname(HERE), "README.md")
-L = sum(p * p for p in TINY_VAR["patch_nums"])   # 14 tokens
-SIDE = TINY_VAR["patch_nums"][-1]                # f_hat 3 x 3
-IMAGE = 2 * SIDE                                 # the VQVAE's ch_mult (1, 2): 6 x 6 px
+L = sum(p * p for p in TINY_VAR["patch_nums"])   # 30 tokens
+SIDE = TINY_VAR["patch_nums"][-1]                # f_hat 4 x 4
+IMAGE = 2 * SIDE                                 # the VQVAE's ch_mult (1, 2): 8 x 8 px
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def files(tmp_path_factory):
     write_tiny_vqvae(out["vqvae"])
     # the same files without any metadata but patch_nums: recognised from their tensor names
     out["var_plain"] = d / "var_plain.safetensors"
-    write_tiny_var(out["var_plain"], metadata=False, extra_metadata={"patch_nums": "1,2,3"})
+    write_var_with_metadata(out["var_plain"], {"patch_nums": "1,2,3,4"})
     out["vqvae_plain"] = d / "vqvae_plain.safetensors"
     write_tiny_vqvae(out["vqvae_plain"], metadata=False)
     out["kl16_plain"] = d / "kl16_plain.safetensors"
@@ -44,7 +44,7 @@ def files(tmp_path_factory):
                                               z=8)), str(out["kl16_plain"]))
     out["mar_plain"] = d / "mar_plain.safetensors"
     write_tiny_mar(out["mar_plain"])
-    out["vqvae_v16"] = d / "vqvae_v16.safetensors"      # codebook of 16, the VAR predicts 24
+    out["vqvae_v16"] = d / "vqvae_v16.safetensors"      # codebook of 16, the VAR predicts 64
     write_tiny_vqvae(out["vqvae_v16"], vocab=16)
     out["vqvae_z4"] = d / "vqvae_z4.safetensors"        # latent of 4 channels, word_embed takes 8
     write_tiny_vqvae(out["vqvae_z4"], z=4)
@@ -91,11 +91,11 @@ def test_load_refuses_a_vqvae_for_a_mar(files):
 @pytest.mark.parametrize("var_key", ["var", "var_plain"])
 def test_load_refuses_a_vqvae_of_another_codebook(files, var_key):
     with pytest.raises(ValueError, match=r"does not fit .*: the VQVAE's codebook has 16 entries "
-                                         r"\(quantize\.embedding\.weight \[16, 8\]\) but the VAR predicts 24 tokens "
-                                         r"\(head\.weight \[24, 32\]\)"):
+                                         r"\(quantize\.embedding\.weight \[16, 8\]\) but the VAR predicts 64 tokens "
+                                         r"\(head\.weight \[64, 128\]\)"):
         mc.load(files[var_key], vae=files["vqvae_v16"])
-    with pytest.raises(ValueError, match=r"the VQVAE's latent has 4 channels \(quantize\.embedding\.weight \[24, 4\]\) "
-                                         r"but the VAR's word_embed takes 8 \(word_embed\.weight \[32, 8\]\)"):
+    with pytest.raises(ValueError, match=r"the VQVAE's latent has 4 channels \(quantize\.embedding\.weight \[64, 4\]\) "
+                                         r"but the VAR's word_embed takes 8 \(word_embed\.weight \[128, 8\]\)"):
         mc.load(files[var_key], vae=files["vqvae_z4"])
 
 
@@ -128,12 +128,12 @@ def test_load_gives_a_var_model(files, var_key, vqvae_key):
     assert isinstance(m, mc.VARModel) and m.family == "var"
     c = m.config
     assert (c["depth"], c["width"], c["heads"], c["vocab"], c["vae_channels"], c["num_classes"]) == \
-        (2, 32, 2, 24, 8, 10)
-    assert c["patch_nums"] == (1, 2, 3) and m.tokens == L and m.num_scales == 3
+        (2, 128, 2, 64, 8, 10)
+    assert c["patch_nums"] == (1, 2, 3, 4) and m.tokens == L and m.num_scales == 4
     assert m.num_params == var_family.num_params(c)
     v = m.vqvae_config
-    assert (v["vocab"], v["z_channels"]) == (24, 8)
-    assert re.fullmatch(r"VARModel\(depth=2, width=32, heads=2, vocab=24, patch_nums=1,2,3, classes=10, "
+    assert (v["vocab"], v["z_channels"]) == (64, 8)
+    assert re.fullmatch(r"VARModel\(depth=2, width=128, heads=2, vocab=64, patch_nums=1,2,3,4, classes=10, "
                         r"params=[\d,]+, decoder=vqvae, device='cpu', dtype='fp32'\)", repr(m))
 
 
@@ -154,9 +154,9 @@ def test_generate_images_tokens_and_telemetry(model):
     images, info = model.generate(labels=[1, 7], seed=3, return_info=True)
     assert images.dtype == np.uint8 and images.shape == (2, IMAGE, IMAGE, 3)
     assert info.tokens.dtype == np.int32 and info.tokens.shape == (2, L)
-    assert info.tokens.min() >= 0 and info.tokens.max() < 24
+    assert info.tokens.min() >= 0 and info.tokens.max() < 64
     assert info.f_hat.dtype == np.float32 and info.f_hat.shape == (2, SIDE, SIDE, 8)
-    assert len(info.steps) == 3 and [s["step"] for s in info.steps] == [0, 1, 2]
+    assert len(info.steps) == 4 and [s["step"] for s in info.steps] == [0, 1, 2, 3]
     assert info.seconds_transformer_and_head > 0 and info.seconds_decode > 0
     # decode of the tokens (the VQVAE's own accumulation) and of the f_hat agree with generate's images
     np.testing.assert_array_equal(model.decode(info.f_hat), images)
@@ -251,12 +251,12 @@ def test_mar_arguments_are_not_var_arguments(model):
 
 
 def test_decode_checks_its_input(model):
-    with pytest.raises(ValueError, match=r"tokens must be codebook indices in 0\.\.23, got 0\.\.24"):
-        model.decode(np.full((1, L), 24, np.int32) - np.eye(1, L, dtype=np.int32) * 24)
-    with pytest.raises(ValueError, match=r"tokens must be integers \[N, 14\]"):
-        model.decode(np.zeros((1, 13), np.int32))
-    with pytest.raises(ValueError, match=r"decode takes tokens int \[N, 14\] or f_hat float \[N, 3, 3, 8\]"):
-        model.decode(np.zeros((1, 4, 4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"tokens must be codebook indices in 0\.\.63, got 0\.\.64"):
+        model.decode(np.full((1, L), 64, np.int32) - np.eye(1, L, dtype=np.int32) * 64)
+    with pytest.raises(ValueError, match=r"tokens must be integers \[N, 30\]"):
+        model.decode(np.zeros((1, 29), np.int32))
+    with pytest.raises(ValueError, match=r"decode takes tokens int \[N, 30\] or f_hat float \[N, 4, 4, 8\]"):
+        model.decode(np.zeros((1, 3, 3, 8), np.float32))
 
 
 def test_progress_bar_counts_scales(model, monkeypatch):
@@ -271,7 +271,7 @@ def test_progress_bar_counts_scales(model, monkeypatch):
 
     monkeypatch.setattr(_driver, "run", spy)
     model.generate_tokens(labels=[1], progress=True)
-    assert calls == [(3, True, "VAR")]
+    assert calls == [(4, True, "VAR")]
 
 
 def test_guard_equals_cpu_bitwise(files):
@@ -298,8 +298,8 @@ def test_guard_equals_cpu_bitwise(files):
 
 def test_flops_of_a_loaded_model_use_its_config(model):
     rep = mc.flops(model, cfg=1.5)
-    assert [s["tokens"] for s in rep.per_scale] == [1, 4, 9]
-    assert [s["keys"] for s in rep.per_scale] == [1, 5, 14]
+    assert [s["tokens"] for s in rep.per_scale] == [1, 4, 9, 16]
+    assert [s["keys"] for s in rep.per_scale] == [1, 5, 14, 30]
     with pytest.raises(ValueError, match="one step per scale"):
         mc.flops(model, steps=3)
 
@@ -312,7 +312,7 @@ def test_cli_flops_of_var_presets_and_files(files, capsys):
     assert main(["flops", "var_d30", "--cfg", "0", "--more-smooth"]) == 0
     assert "var_d30, cfg 0.0, more_smooth" in capsys.readouterr().out
     assert main(["flops", str(files["var"])]) == 0
-    assert re.search(r"^\s+2\s+9\s+14\s", capsys.readouterr().out, re.M)
+    assert re.search(r"^\s+3\s+16\s+30\s", capsys.readouterr().out, re.M)
     assert main(["flops", "var_d16", "--steps", "8"]) == 2
     assert "--steps applies to MAR models only; var_d16 is a VAR model" in capsys.readouterr().err
     assert main(["flops", "var_d16", "--cache", "lazymar"]) == 2
@@ -350,7 +350,7 @@ def test_sweep_passes_the_models_own_settings(files, model, tmp_path):
 
     net = ev.InceptionV3.load(_tiny_inception(tmp_path))
     rng = np.random.default_rng(4)
-    reference = ev.Stats.from_features(net.features(rng.integers(0, 256, (8, 6, 6, 3), dtype=np.uint8))[0])
+    reference = ev.Stats.from_features(net.features(rng.integers(0, 256, (8, IMAGE, IMAGE, 3), dtype=np.uint8))[0])
     results = ev.sweep(model, net, {"nocache": mc.NoCache()}, n=4, per_class=2, reference=reference, cfg=2.0,
                        top_k=5, batch_size=3)
     (r,) = results
@@ -388,7 +388,7 @@ def test_readme_pytest_sweep_example_runs_on_a_var(files, tmp_path):
     inception = _tiny_inception(tmp_path)
     net = ev.InceptionV3.load(inception)
     rng = np.random.default_rng(5)
-    ev.make_reference(rng.integers(0, 256, (8, 6, 6, 3), dtype=np.uint8), tmp_path / "ref.npz", net)
+    ev.make_reference(rng.integers(0, 256, (8, IMAGE, IMAGE, 3), dtype=np.uint8), tmp_path / "ref.npz", net)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(mc.__file__)))
     env = dict(os.environ, MARCACHE_MODEL=str(files["var"]), MARCACHE_VAE=str(files["vqvae"]),
                MARCACHE_INCEPTION=str(inception), MARCACHE_REFERENCE=str(tmp_path / "ref.npz"), MARCACHE_FID_N="4",

@@ -1,82 +1,43 @@
-"""Tiny VAR transformers and VQVAEs in the official key layouts (the shapes of
-marcache/convert/var.py var_expected_shapes and marcache/convert/decoder.py
-decoder_expected_shapes, as `marcache convert` writes them), with random weights,
-written with the safetensors package (an independent writer) for the API tests."""
+"""Tiny VQVAEs in the official key layout (marcache/convert/decoder.py
+decoder_expected_shapes plus the codebook and Phi convs, as `marcache convert vqvae`
+writes them) with random weights, written with the safetensors package, and the tiny
+VAR of var_fixtures they fit: the files of the API tests."""
 import math
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from marcache.convert import decoder_expected_shapes, var_expected_shapes
+from marcache.convert import decoder_expected_shapes
+from var_fixtures import TINY, write_tiny_var  # noqa: F401  (re-exported for the API tests)
 
-# A VAR small enough to generate in well under a second on the CPU: 2 blocks of width
-# 32 (2 heads of 16), 3 scales (1, 2, 3: 14 tokens), 10 classes; its VQVAE: codebook of
-# 24 x 8, ch 32, ch_mult (1, 2) (upscale 2: 6 x 6 images), 4 Phi convs.
-TINY_VAR = dict(depth=2, width=32, heads=2, vocab=24, vae_channels=8, num_classes=10, patch_nums=(1, 2, 3))
-TINY_VQVAE = dict(vocab=24, z=8, ch=32, ch_mult=(1, 2), num_res_blocks=1, num_phi=4)
-VAR_BUFFERS = ("lvl_1L", "attn_bias_for_masking")
+# The VAR of var_fixtures (var-model's: depth 2, width 128, vocab 64, 8 latent channels, 10
+# classes, patch_nums 1, 2, 3, 4) and a VQVAE that fits it: codebook 64 x 8, ch 32, ch_mult
+# (1, 2) (upscale 2: 8 x 8 images), 4 Phi convs.
+TINY_VAR = dict(TINY)
+TINY_VQVAE = dict(vocab=TINY["vocab"], z=TINY["vae_channels"], ch=32, ch_mult=(1, 2), num_res_blocks=1, num_phi=4)
 
 
 def _random(rng, name, shape):
-    """Linear / conv weights ~ N(0, 1 / fan_in), norm weights ~ 1 + N(0, 0.05^2), biases
-    and embeddings ~ N(0, 0.05^2 .. 0.5^2)."""
+    """Conv weights ~ N(0, 1 / fan_in), GroupNorm weights ~ 1 + N(0, 0.05^2), biases
+    ~ N(0, 0.05^2), the codebook ~ N(0, 0.5^2)."""
     z = rng.standard_normal(shape)
-    if name.endswith("scale_mul_1H11"):
-        return np.full(shape, math.log(4.0))
-    if len(shape) >= 2 and name.endswith(".weight") and not name.startswith(("class_emb", "lvl_embed",
-                                                                              "quantize.embedding")):
-        return z / math.sqrt(int(np.prod(shape[1:])))
-    if name.endswith("norm.weight") or ".norm1.weight" in name or ".norm2.weight" in name or \
-            name.endswith("norm_out.weight"):
-        return 1.0 + 0.05 * z
-    if name.startswith(("class_emb", "quantize.embedding")):
+    if name == "quantize.embedding.weight":
         return 0.5 * z
+    if len(shape) == 4:
+        return z / math.sqrt(int(np.prod(shape[1:])))
+    if name.endswith(".weight"):
+        return 1.0 + 0.05 * z
     return 0.05 * z
 
 
-def var_weights(seed=0, depth=2, width=32, heads=2, vocab=24, vae_channels=8, num_classes=10, patch_nums=(1, 2, 3),
-                buffers=False):
-    """name -> float32 array of a VAR transformer (12 + 13 depth keys with the buffers,
-    10 + 12 depth without them, as `marcache convert var` writes)."""
-    rng = np.random.default_rng(seed)
-    L = sum(p * p for p in patch_nums)
-    shapes = var_expected_shapes(depth, width, heads, vocab=vocab, tokens=L, vae_channels=vae_channels,
-                                 num_classes=num_classes, num_levels=len(patch_nums))
-    out = {}
-    for name, shape in shapes.items():
-        is_buffer = name in VAR_BUFFERS or name.endswith("zero_k_bias")
-        if is_buffer and not buffers:
-            continue
-        if name == "lvl_1L":
-            out[name] = np.concatenate([np.full(p * p, i) for i, p in enumerate(patch_nums)]).reshape(1, L)
-        elif name == "attn_bias_for_masking":
-            lvl = np.concatenate([np.full(p * p, i) for i, p in enumerate(patch_nums)])
-            out[name] = np.where(lvl[:, None] >= lvl[None, :], 0.0, -np.inf).astype(np.float32).reshape(1, 1, L, L)
-        elif name.endswith("zero_k_bias"):
-            out[name] = np.zeros(shape, np.float32)
-        else:
-            out[name] = _random(rng, name, shape).astype(np.float32)
-    return out
-
-
-def write_tiny_var(path, seed=0, metadata=True, drop=(), extra_metadata=None, **config):
-    """Writes a tiny VAR (TINY_VAR, overridden by `config`) to path; metadata=True adds what
-    `marcache convert var` records (kind, patch_nums, ...). `drop`: keys to leave out."""
-    c = dict(TINY_VAR, **config)
-    W = var_weights(seed, **c)
-    for name in drop:
-        W.pop(name)
-    meta = None
-    if metadata:
-        meta = {"kind": "var", "depth": str(c["depth"]), "width": str(c["width"]), "heads": str(c["heads"]),
-                "vocab": str(c["vocab"]), "patch_nums": ",".join(map(str, c["patch_nums"]))}
-    if extra_metadata:
-        meta = dict(meta or {}, **extra_metadata)
-    save_file(W, str(path), metadata=meta)
+def write_var_with_metadata(path, metadata, seed=0, **overrides):
+    """var_fixtures' tiny VAR with exactly `metadata` (None: no metadata at all)."""
+    W = write_tiny_var(path, seed=seed, metadata=False, **overrides)
+    save_file({k: v for k, v in W.items()}, str(path), metadata=metadata)
     return W
 
 
-def vqvae_weights(seed=1, vocab=24, z=8, ch=32, ch_mult=(1, 2), num_res_blocks=1, num_phi=4):
+def vqvae_weights(seed=1, vocab=64, z=8, ch=32, ch_mult=(1, 2), num_res_blocks=1, num_phi=4):
     """name -> float32 array of VAR's VQVAE decoding tensors (decoder, post_quant_conv,
     codebook, Phi convs: what `marcache convert vqvae` keeps)."""
     rng = np.random.default_rng(seed)
