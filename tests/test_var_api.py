@@ -407,3 +407,21 @@ def test_sweep_refuses_settings_of_the_other_family():
     with pytest.raises(ValueError, match=r"sweep: MARModel\.generate takes no setting 'top_k'; its settings: cfg, "
                                          r"cfg_schedule, steps, temperature"):
         ev.sweep(mar, None, [mc.NoCache()], n=2, per_class=1, reference=None, top_k=5)
+
+
+def test_components_scale_inputs_and_forward_scales(files):
+    """VARModel's components pass through to the engine: scale_inputs takes the maps as one
+    array [B, T, Cvae] or as a list of per-scale maps [B, pn, pn, Cvae] (raster order)."""
+    m = mc.load(files["var"])
+    rng = np.random.default_rng(2)
+    maps = [rng.standard_normal((2, p, p, 8)).astype(np.float32) for p in TINY_VAR["patch_nums"][1:3]]
+    labels = np.array([4, 10], np.int32)           # 10: the null class
+    flat = np.concatenate([x.reshape(2, -1, 8) for x in maps], axis=1)
+    inputs = m.scale_inputs(labels, maps)
+    assert inputs.shape == (2, 1 + 4 + 9, 128)
+    np.testing.assert_array_equal(inputs, m.scale_inputs(labels, flat))
+    np.testing.assert_array_equal(m.scale_inputs(labels, [])[:, :1], inputs[:, :1])
+    hidden, logits = m.forward_scales(labels, inputs)
+    assert hidden.shape == (2, 14, 128) and logits.shape == (2, 14, 64)
+    with pytest.raises(ValueError, match=r"next_maps\[1\] must be float32 \[2, pn, pn, 8\], got \(2, 3, 3, 4\)"):
+        m.scale_inputs(labels, [maps[0], np.zeros((2, 3, 3, 4), np.float32)])
