@@ -31,6 +31,7 @@ import pytest
 
 from marcache import _C
 from reference import ops as ref
+from reference import vqvae as ref_vq
 from tolerance import assert_close, scaled_atol
 
 F32 = np.float32
@@ -880,6 +881,63 @@ case("resize_bilinear_tf1", "u8-31x45to64x7", tol=0)(resize_builder(3, 31, 45, 3
 
 
 # --------------------------------------------------------------------------
+# VAR resize ops: resize_bicubic (PyTorch bicubic, align_corners=False,
+# A = -0.75, clamped taps) and resize_area (adaptive average pooling, down
+# and up), var_fastvar.md B3 and D3; float64 references in
+# tests/reference/vqvae.py.
+# --------------------------------------------------------------------------
+
+def ref_resize_bicubic(inputs, p):
+    return ref_vq.resize_bicubic(inputs[0], p["out_h"], p["out_w"])
+
+
+def ref_resize_area(inputs, p):
+    return ref_vq.resize_area(inputs[0], p["out_h"], p["out_w"])
+
+
+REFERENCES.update({"resize_bicubic": ref_resize_bicubic, "resize_area": ref_resize_area})
+
+
+def var_resize_builder(batch, in_h, in_w, channels, out_h, out_w, view=False):
+    """view: x is every other image of a batch twice as large (a strided batch
+    the binding copies to the contiguous layout the op takes)."""
+    def build(rng):
+        if view:
+            x = randn(rng, 2 * batch, in_h, in_w, channels)[::2]
+        else:
+            x = randn(rng, batch, in_h, in_w, channels)
+        return (x,), {"out_h": out_h, "out_w": out_w}
+    return build
+
+
+# bicubic: every VAR scale up to the 16x16 latent (1x1 is a constant map),
+# the identity (exact), down-sampling, non-square maps, batches of several
+# images, a 1x1 output, and enough elements for the threaded path.
+for _pn in (1, 2, 3, 5, 10, 13):
+    case("resize_bicubic", "b2-%dto16-c8" % _pn)(var_resize_builder(2, _pn, _pn, 8, 16, 16))
+case("resize_bicubic", "b1-16to16-c32-identity", tol=0)(var_resize_builder(1, 16, 16, 32, 16, 16))
+case("resize_bicubic", "b2-16to5-c3-down")(var_resize_builder(2, 16, 16, 3, 5, 5))
+case("resize_bicubic", "b3-7x11to13x4-c5-nonsquare")(var_resize_builder(3, 7, 11, 5, 13, 4))
+case("resize_bicubic", "b2-9x4to4x9-c2-view")(var_resize_builder(2, 9, 4, 2, 4, 9, view=True))
+case("resize_bicubic", "b1-16to1-c4")(var_resize_builder(1, 16, 16, 4, 1, 1))
+case("resize_bicubic", "b1-1x6to3x2-c3")(var_resize_builder(1, 1, 6, 3, 3, 2))
+case("resize_bicubic", "b4-10to16-c64-threads")(var_resize_builder(4, 10, 10, 64, 16, 16))
+
+# area: the spec's in = 16 bin table (every VAR scale below 16, and 1),
+# up-sampling 10 -> 13 and 10 -> 16 (FastVAR's cache restoration, D3),
+# 1 -> 5, the identity (exact), non-square, a strided batch, the threaded path.
+for _pn in (1, 2, 3, 4, 5, 6, 8, 10, 13):
+    case("resize_area", "b2-16to%d-c8" % _pn)(var_resize_builder(2, 16, 16, 8, _pn, _pn))
+case("resize_area", "b2-10to13-c8-up")(var_resize_builder(2, 10, 10, 8, 13, 13))
+case("resize_area", "b1-10to16-c8-up")(var_resize_builder(1, 10, 10, 8, 16, 16))
+case("resize_area", "b1-1to5-c3-up")(var_resize_builder(1, 1, 1, 3, 5, 5))
+case("resize_area", "b1-16to16-c32-identity", tol=0)(var_resize_builder(1, 16, 16, 32, 16, 16))
+case("resize_area", "b3-16x9to5x13-c5-nonsquare")(var_resize_builder(3, 16, 9, 5, 5, 13))
+case("resize_area", "b2-13x16to10x3-c2-view")(var_resize_builder(2, 13, 16, 2, 10, 3, view=True))
+case("resize_area", "b4-16to10-c128-threads")(var_resize_builder(4, 16, 16, 128, 10, 10))
+
+
+# --------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------
 
@@ -1042,6 +1100,14 @@ BAD_CALLS += [
      {"out_h": 2, "out_w": 2}, ValueError, "argument 'x': expected dtype float32"),
     ("resize-size", "cpu", "resize_bilinear_tf1", (_m(1, 4, 4, 3),), {"out_h": 0, "out_w": 2},
      ValueError, "param 'out_h' must be in [1,"),
+    ("resize_bicubic-size", "cpu", "resize_bicubic", (_m(1, 4, 4, 3),), {"out_h": 2, "out_w": 0},
+     ValueError, "param 'out_w' must be in [1,"),
+    ("resize_bicubic-missing", "cpu", "resize_bicubic", (_m(1, 4, 4, 3),), {"out_h": 2},
+     ValueError, "param 'out_w' is required"),
+    ("resize_area-rank", "cpu", "resize_area", (_m(4, 4, 3),), {"out_h": 2, "out_w": 2},
+     ValueError, "resize_area: argument 'x': expected 4 dimensions"),
+    ("resize_area-empty-side", "cpu", "resize_area", (_m(1, 0, 4, 3),), {"out_h": 2, "out_w": 2},
+     ValueError, "height, width and channels must be positive"),
 ]
 
 

@@ -51,3 +51,34 @@ mc_status mc_check_resize(mc_pixel_type type, int64_t batch, int64_t in_h, int64
                        (long long)out_h, (long long)out_w);
     return MC_OK;
 }
+
+/* Below 2^62 elements any index computed by the kernels fits int64. */
+static int too_many_elements(int64_t a, int64_t b, int64_t c, int64_t d) {
+    const int64_t limit = (int64_t)1 << 62;
+    int64_t n = a;
+    const int64_t f[3] = {b, c, d};
+    for (int i = 0; i < 3; i++) {
+        if (f[i] != 0 && n > limit / f[i])
+            return 1;
+        n *= f[i];
+    }
+    return 0;
+}
+
+mc_status mc_check_resize_f32(const char *op, int64_t batch, int64_t in_h, int64_t in_w,
+                              int64_t channels, int64_t out_h, int64_t out_w, mc_err *err) {
+    if (batch < 0 || in_h <= 0 || in_w <= 0 || channels <= 0 || out_h <= 0 || out_w <= 0 ||
+        too_many_elements(batch, in_h, in_w, channels) ||
+        too_many_elements(batch, out_h, out_w, channels))
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: bad sizes: batch %lld, input %lldx%lld, %lld channels, output "
+                       "%lldx%lld (sizes must be positive, batch non-negative)",
+                       op, (long long)batch, (long long)in_h, (long long)in_w,
+                       (long long)channels, (long long)out_h, (long long)out_w);
+    /* The float32 grid (scale = float(in) / float(out), src = scale * (o + 0.5))
+     * is exact in its integers only below 2^24. */
+    if (in_h >= ((int64_t)1 << 24) || in_w >= ((int64_t)1 << 24) || out_h >= ((int64_t)1 << 24) ||
+        out_w >= ((int64_t)1 << 24))
+        return mc_fail(err, MC_ERR_VALUE, "%s: sides of 2^24 or more are not supported", op);
+    return MC_OK;
+}

@@ -24,4 +24,9 @@ mc_status mc_check_groups(int64_t channels, int groups, mc_err *err);
 mc_status mc_check_resize(mc_pixel_type type, int64_t batch, int64_t in_h, int64_t in_w,
                           int64_t channels, int64_t out_h, int64_t out_w, mc_err *err);
 
+/* resize_bicubic / resize_area (named by `op`): positive sizes (batch may
+ * be 0) and a tensor size that fits int64 with room for index arithmetic. */
+mc_status mc_check_resize_f32(const char *op, int64_t batch, int64_t in_h, int64_t in_w,
+                              int64_t channels, int64_t out_h, int64_t out_w, mc_err *err);
+
 #endif

@@ -264,4 +264,34 @@ MC_OP(head_l2norm, ALL,
       (be, x, ld, rows, heads, head_dim, head_scale, err),
       0)
 
+/* ---- VAR resize ops (var_fastvar.md B3, D3) ---- */
+
+/* PyTorch's F.interpolate(mode='bicubic', align_corners=False), no
+ * antialias, output size given: x contiguous NHWC [batch, in_h, in_w,
+ * channels] -> y [batch, out_h, out_w, channels]. Per axis, in float32 as
+ * PyTorch computes it: scale = float(in) / float(out), src = scale *
+ * (o + 0.5) - 0.5, i0 = min(floor(src), in - 1), t = clamp(src - i0, 0, 1);
+ * taps i0 - 1 .. i0 + 2, each clamped to [0, in - 1], with the A = -0.75
+ * cubic-convolution weights of t. Separable: each of the 4 tap rows is
+ * interpolated along x, then the 4 results along y (sums in tap order,
+ * every product and sum its own float32 rounding). Not clamped: overshoot
+ * stays. in == out is the identity; a 1x1 input gives a constant map. */
+MC_OP(resize_bicubic, ALL,
+      (mc_backend *be, const float *x, int64_t batch, int64_t in_h, int64_t in_w,
+       int64_t channels, int64_t out_h, int64_t out_w, float *y, mc_err *err),
+      (be, x, batch, in_h, in_w, channels, out_h, out_w, y, err),
+      0)
+
+/* PyTorch's F.interpolate(mode='area') = adaptive average pooling, for any
+ * in/out sizes (down- and up-sampling): output cell (i, j) is the mean of
+ * input rows [floor(i in_h / out_h), ceil((i + 1) in_h / out_h)) and columns
+ * likewise (integer arithmetic). NHWC as resize_bicubic. Summed in float32
+ * row by row, then divided by the row count and then by the column count
+ * (PyTorch's sum / kh / kw). */
+MC_OP(resize_area, ALL,
+      (mc_backend *be, const float *x, int64_t batch, int64_t in_h, int64_t in_w,
+       int64_t channels, int64_t out_h, int64_t out_w, float *y, mc_err *err),
+      (be, x, batch, in_h, in_w, channels, out_h, out_w, y, err),
+      0)
+
 #undef MC_OP

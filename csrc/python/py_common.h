@@ -13,6 +13,7 @@ int mcpy_io_init(PyObject *module);
 int mcpy_ops_init(PyObject *module);
 int mcpy_mar_init(PyObject *module);
 int mcpy_vae_init(PyObject *module);
+int mcpy_vqvae_init(PyObject *module);
 int mcpy_inception_init(PyObject *module);
 int mcpy_var_init(PyObject *module);
 

@@ -93,6 +93,8 @@
  *   max_pool2d   as avg_pool2d without count_include_pad -> y
  *   resize_bilinear_tf1 (x [B,H,W,C] float32 or uint8,); out_h, out_w,
  *                normalize=False -> y [B,out_h,out_w,C] float32
+ *   resize_bicubic (x [B,H,W,C],); out_h, out_w -> y [B,out_h,out_w,C]
+ *   resize_area  (x [B,H,W,C],); out_h, out_w -> y [B,out_h,out_w,C]
  * "Pixel-strided": a 4-D view whose last axis is contiguous and whose
  * pixels are evenly spaced (a channel slice x[..., a:b] of an NHWC array)
  * is passed as is, with the pixel stride as ldx / ldy. */
@@ -1476,6 +1478,32 @@ static PyObject *run_resize_bilinear_tf1(op_call *call) {
               typenum == NPY_UINT8 ? MC_PIXEL_U8 : MC_PIXEL_F32, x->shape[0], x->shape[1],
               x->shape[2], x->shape[3], out_h, out_w, normalize, y->device);
 }
+
+/* Shared body of the VAR resize ops (resize_bicubic, resize_area): the
+ * same inputs and params, the op chosen by `bicubic`. */
+static PyObject *run_var_resize(op_call *call, int bicubic) {
+    static const char *const keys[] = {"out_h", "out_w", NULL};
+    long long out_h, out_w;
+    operand *x, *y;
+    if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "out_h", 1, 0, 1, 1 << 20, &out_h) < 0 ||
+        param_integer(call, "out_w", 1, 0, 1, 1 << 20, &out_w) < 0 ||
+        fetch_args(call, SPECS(IN("x", 4, LAYOUT_CONTIGUOUS)), &x) < 0)
+        return NULL;
+    if (x->shape[1] < 1 || x->shape[2] < 1 || x->shape[3] < 1)
+        return raise_value(call, "argument 'x': height, width and channels must be positive");
+    int64_t shape[4] = {x->shape[0], out_h, out_w, x->shape[3]};
+    if ((y = new_zeros(call, "y", NPY_FLOAT, 4, shape)) == NULL)
+        return NULL;
+    if (bicubic)
+        RETURN_OP(call, y, resize_bicubic, x->device, x->shape[0], x->shape[1], x->shape[2],
+                  x->shape[3], out_h, out_w, y->device);
+    RETURN_OP(call, y, resize_area, x->device, x->shape[0], x->shape[1], x->shape[2], x->shape[3],
+              out_h, out_w, y->device);
+}
+
+static PyObject *run_resize_bicubic(op_call *call) { return run_var_resize(call, 1); }
+static PyObject *run_resize_area(op_call *call) { return run_var_resize(call, 0); }
 
 /* ------------------------------------------------------------------------
  * The op table: one runner per entry of the op list, in its order. */
