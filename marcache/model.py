@@ -462,5 +462,5 @@ def _load_var(path, vae_path, device, dtype, threads):
         _check_var_and_vqvae_agree(path, vae_path)
     var = _C.VAR(path, device=device, dtype=dtype, threads=int(threads))
     if vae_path is not None:
-        vqvae = _C.VQVAE(vae_path, device=device)
+        vqvae = _C.VQVAE(vae_path, num_threads=int(threads), device=device)
     return VARModel(var, vqvae, path=path, vae_path=vae_path, device=device, dtype=dtype)

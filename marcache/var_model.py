@@ -214,7 +214,8 @@ class VARModel:
     def decode(self, tokens_or_fhat):
         """uint8 images [N, H, W, 3] of tokens int [N, L] or f_hat float32 [N, side,
         side, Cvae]: round half to even of (x + 1) / 2 * 255, as MAR's decode."""
-        return _C._vae_to_uint8(self.decode_float(tokens_or_fhat))
+        self._need_vqvae("decoding")
+        return self._vqvae.decode_uint8(self._fhat_of(tokens_or_fhat))
 
     def scale_inputs(self, labels, next_maps):
         """The transformer's input rows of scales 0..k for labels int [B] (num_classes, the
