@@ -425,3 +425,9 @@ def test_components_scale_inputs_and_forward_scales(files):
     assert hidden.shape == (2, 14, 128) and logits.shape == (2, 14, 64)
     with pytest.raises(ValueError, match=r"next_maps\[1\] must be float32 \[2, pn, pn, 8\], got \(2, 3, 3, 4\)"):
         m.scale_inputs(labels, [maps[0], np.zeros((2, 3, 3, 4), np.float32)])
+
+
+def test_cli_info_of_a_var_file(files, capsys):
+    assert main(["info", str(files["var"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("VARModel(depth=2, width=128") and "  patch_nums: (1, 2, 3, 4)" in out
