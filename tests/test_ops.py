@@ -32,6 +32,7 @@ import pytest
 from marcache import _C
 from reference import ops as ref
 from reference import vqvae as ref_vq
+from reference import philox
 from tolerance import assert_close, scaled_atol
 
 F32 = np.float32
@@ -206,6 +207,9 @@ class Case:
     build: Callable  # rng -> (inputs tuple, params dict)
     reference: Callable  # (inputs, params) -> float64 array
     tol: float
+    # (got, want, what) -> None for results the float32 comparison does not fit (the
+    # sampler's (tokens, masked logits) pair, relative tolerances); None: that comparison.
+    check: Callable = None
 
     @property
     def id(self):
@@ -215,11 +219,11 @@ class Case:
 CASES = []
 
 
-def case(op, name, tol=1e-5, reference=None):
+def case(op, name, tol=1e-5, reference=None, check=None):
     """Decorator: registers the builder below it as a case of `op` (checked against
-    REFERENCES[op] unless another reference is given)."""
+    REFERENCES[op] unless another reference is given, by `check` when one is given)."""
     def register(build):
-        CASES.append(Case(op, name, build, reference or REFERENCES[op], tol))
+        CASES.append(Case(op, name, build, reference or REFERENCES[op], tol, check))
         return build
     return register
 
@@ -938,6 +942,186 @@ case("resize_area", "b4-16to10-c128-threads")(var_resize_builder(4, 16, 16, 128,
 
 
 # --------------------------------------------------------------------------
+# VAR's sampling ops (var_fastvar.md A6; contracts in ops_list.h)
+# --------------------------------------------------------------------------
+
+def var_keys(rng, rows):
+    """Random (image, position) uint32 keys, one pair per row, over the whole range."""
+    image = rng.integers(0, 2 ** 32, size=rows, dtype=np.uint64).astype(np.uint32)
+    position = rng.integers(0, 2 ** 32, size=rows, dtype=np.uint64).astype(np.uint32)
+    return image, position
+
+
+def sampling_logits(rng, rows, vocab, scale=2.0, strided=False, neg_inf=0.0, ties=False):
+    """float32 logits [rows, vocab]: normal * scale, or small integers (ties: many equal
+    values, at the top-k threshold too); neg_inf: that share of the entries -inf, every
+    row keeping a finite one and row 0 keeping exactly one; strided: a column slice of a
+    wider buffer (ld > vocab)."""
+    if ties:
+        x = rng.integers(-4, 4, size=(rows, vocab)).astype(F32)
+    else:
+        x = randn(rng, rows, vocab, scale=scale)
+    if neg_inf:
+        x[rng.random((rows, vocab)) < neg_inf] = -np.inf
+        keep = rng.integers(0, vocab, size=rows)
+        x[np.arange(rows), keep] = np.abs(randn(rng, rows))
+        x[0] = -np.inf
+        x[0, keep[0]] = 0.5
+    if strided:
+        wide = randn(rng, rows, vocab + 9)
+        wide[:, 4:4 + vocab] = x
+        x = wide[:, 4:4 + vocab]
+    return x
+
+
+def sample_builder(rows, vocab, top_k, top_p, step=0, **logit_kw):
+    def build(rng):
+        logits = sampling_logits(rng, rows, vocab, **logit_kw)
+        image, position = var_keys(rng, rows)
+        params = {"seed": int(rng.integers(0, 2 ** 63)), "step": step, "top_k": top_k,
+                  "top_p": f32(top_p)}
+        return (logits, image, position), params
+    return build
+
+
+def ref_sample_tokens(inputs, p):
+    logits, image, position = inputs
+    return ref.sample_tokens(logits, p.get("top_k", 0), p.get("top_p", 0.0), p["seed"], p["step"],
+                             image, position)
+
+
+def check_sample_tokens(got, want, what):
+    """Tokens and masked logits equal to the reference's exactly; each token survives."""
+    assert isinstance(got, tuple) and len(got) == 2, what
+    tokens, masked = got
+    assert tokens.dtype == np.int32 and masked.dtype == np.float32, what
+    np.testing.assert_array_equal(masked, want[1], err_msg=what + ": masked logits")
+    np.testing.assert_array_equal(tokens, want[0], err_msg=what + ": tokens")
+    assert np.all(np.isfinite(masked[np.arange(len(tokens)), tokens])), what + ": a removed token"
+
+
+def sample_case(name, *args, **kw):
+    case("sample_tokens", name, tol=0, reference=ref_sample_tokens,
+         check=check_sample_tokens)(sample_builder(*args, **kw))
+
+
+# (name, rows, vocab, top_k, top_p, extra): top_k 0 / 1 / mid / = vocab / > vocab / < 0,
+# top_p 0 / 0.5 / 0.96 / 1 / tiny, both filters, ties at the top-k threshold, -inf
+# entries, strided rows, several steps; every row its own random (image, position).
+sample_case("r1-v1", 1, 1, 0, 0.0)
+sample_case("r5-v2-k1", 5, 2, 1, 0.0)
+sample_case("r9-v10-plain", 9, 10, 0, 0.0)
+sample_case("r9-v10-k1", 9, 10, 1, 0.0)
+sample_case("r9-v10-k3", 9, 10, 3, 0.0, step=7)
+sample_case("r9-v10-k10-keeps-all", 9, 10, 10, 0.0)
+sample_case("r9-v10-k100-keeps-all", 9, 10, 100, 0.0)
+sample_case("r9-v10-k-negative", 9, 10, -5, 0.0)
+sample_case("r9-v10-p0.5", 9, 10, 0, 0.5)
+sample_case("r9-v10-k3-p0.5-ties", 9, 10, 3, 0.5, ties=True)
+sample_case("r17-v64-k7-ties", 17, 64, 7, 0.0, ties=True)
+sample_case("r17-v64-p0.96", 17, 64, 0, 0.96, step=1)
+sample_case("r17-v64-p1-keeps-all", 17, 64, 0, 1.0)
+sample_case("r17-v64-p0.001", 17, 64, 0, 0.001)
+sample_case("r17-v64-k5-p0.5", 17, 64, 5, 0.5, step=65535)
+sample_case("r17-v64-k17-p0.96-strided", 17, 64, 17, 0.96, strided=True)
+sample_case("r17-v64-k5-p0.5-neginf", 17, 64, 5, 0.5, neg_inf=0.5)
+sample_case("r17-v64-p0.96-neginf-strided", 17, 64, 0, 0.96, neg_inf=0.3, strided=True)
+sample_case("r17-v64-k100-p0.96-neginf", 17, 64, 100, 0.96, neg_inf=0.9)
+sample_case("r17-v64-peaky", 17, 64, 0, 0.0, scale=40.0)
+sample_case("r9-v4096-plain", 9, 4096, 0, 0.0, scale=3.0)
+sample_case("r9-v4096-k1", 9, 4096, 1, 0.0)
+sample_case("r17-v4096-k900-p0.96", 17, 4096, 900, 0.96, step=9, scale=3.0)
+sample_case("r9-v4096-p0.5-strided", 9, 4096, 0, 0.5, strided=True)
+sample_case("r9-v4096-k900-p0.96-ties", 9, 4096, 900, 0.96, ties=True)
+sample_case("r9-v4096-k900-p0.96-neginf", 9, 4096, 900, 0.96, neg_inf=0.5, step=3)
+sample_case("r9-v4096-k4096-p1", 9, 4096, 4096, 1.0)
+
+
+def sample_fixed_builder(rows, top_k, top_p, keys=None):
+    """Given logits (and keys), for the boundaries random rows do not reach."""
+    def build(rng):
+        logits = np.array(rows, dtype=F32)
+        image, position = var_keys(rng, len(rows)) if keys is None else (
+            np.array(keys[0], np.uint32), np.array(keys[1], np.uint32))
+        return (logits, image, position), {"seed": 42, "step": 0, "top_k": top_k,
+                                           "top_p": f32(top_p)}
+    return build
+
+
+def sample_fixed_case(name, rows, top_k, top_p, keys=None):
+    case("sample_tokens", name, tol=0, reference=ref_sample_tokens,
+         check=check_sample_tokens)(sample_fixed_builder(rows, top_k, top_p, keys))
+
+
+# Equal logits have exact probabilities (1/4, 1/8) and running sums: an entry whose sum
+# equals 1 - top_p is removed (<=), and equal values go in vocabulary order.
+sample_fixed_case("equal-v4-p0.5-sum-at-bound", [[0.0] * 4, [2.5] * 4], 0, 0.5)
+sample_fixed_case("equal-v8-p0.75-sum-at-bound", [[-1.0] * 8, [0.0] * 8], 0, 0.75)
+# top_p = 1e-20: 1 - top_p is 1.0 in double, every running sum is <= it, and only the last
+# entry of the order (the largest value, the highest index among equal ones) survives.
+sample_fixed_case("p1e-20-keeps-the-last", [[0.5, 2.0, -1.0, 2.0, 1.0], [0.0] * 5], 0, 1e-20)
+# top_k at a tie on the largest value, then top_p among the survivors.
+sample_fixed_case("k2-tie-on-max-p0.4", [[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]], 2, 0.4)
+# top_k among values one float32 ulp apart (their order keys differ in the last byte
+# only): the threshold is the exact k-th value, found by the last radix pass.
+ADJACENT_FLOATS = [[float(v) for v in 1.0 + np.arange(10, dtype=F32) * np.spacing(F32(1.0))],
+                   [float(v) for v in -2.0 + np.arange(10, dtype=F32)[::-1] * np.spacing(F32(2.0))]]
+sample_fixed_case("k3-adjacent-floats", ADJACENT_FLOATS, 3, 0.0)
+sample_fixed_case("k7-adjacent-floats-p0.5", ADJACENT_FLOATS, 7, 0.5)
+# The draw's target on a running sum: 1024 equal weights have running sums 1, 2, ..., and
+# the key (seed 42, image 0, position 3186371, step 0) has u = 303 / 1024 exactly
+# (word 0 = 303 * 2^22), so u * total = 303.0 = c_302: the token is the first j with
+# c_j > 303, j = 303 (with >= it would be 302).
+EQUAL_1024_KEY = ([0], [3186371])
+assert philox.var_sample_uniforms(42, *EQUAL_1024_KEY, 0)[0] * 1024 == 303.0
+sample_fixed_case("equal-v1024-target-on-a-sum", [[0.0] * 1024], 0, 0.0, keys=EQUAL_1024_KEY)
+
+
+def gumbel_builder(rows, vocab, tau, logit_scale, step=0, neg_inf=0.0, strided=False,
+                   probs_strided=False):
+    def build(rng):
+        logits = sampling_logits(rng, rows, vocab, scale=2.0, neg_inf=neg_inf, strided=strided)
+        image, position = var_keys(rng, rows)
+        inputs = (logits, image, position)
+        if probs_strided:
+            inputs += (randn(rng, rows, vocab + 5)[:, 2:2 + vocab],)
+        params = {"seed": int(rng.integers(0, 2 ** 63)), "step": step, "tau": f32(tau),
+                  "logit_scale": f32(logit_scale)}
+        return inputs, params
+    return build
+
+
+def ref_gumbel_softmax(inputs, p):
+    logits, image, position = inputs[:3]
+    return ref.gumbel_softmax(logits, p.get("logit_scale", 1.0), p["tau"], p["seed"], p["step"],
+                              image, position)
+
+
+def check_gumbel_softmax(got, want, what):
+    """Within 1e-6 of each probability (relative). atol 1e-44: below float32's smallest
+    normal (1.2e-38) a float keeps only an absolute precision of 1.4e-45."""
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32, what
+    assert got.shape == want.shape, what
+    assert_close(got, want, rtol=1e-6, atol=1e-44, what=what)
+
+
+def gumbel_case(name, *args, **kw):
+    case("gumbel_softmax", name, tol=0, reference=ref_gumbel_softmax,
+         check=check_gumbel_softmax)(gumbel_builder(*args, **kw))
+
+
+# VAR's schedule: tau = max(0.27 (1 - 0.95 ratio), 0.005), logit_scale = 1 + ratio.
+gumbel_case("r1-v1", 1, 1, 1.0, 1.0)
+gumbel_case("r9-v10-tau1", 9, 10, 1.0, 1.0)
+gumbel_case("r17-v64-tau0.27-strided", 17, 64, 0.27, 1.0, step=0, strided=True)
+gumbel_case("r17-v64-tau0.1-neginf-probs-strided", 17, 64, 0.1, 1.5, step=5, neg_inf=0.5,
+            probs_strided=True)
+gumbel_case("r9-v4096-tau0.0135-scale2", 9, 4096, 0.0135, 2.0, step=9)
+gumbel_case("r9-v4096-tau0.005-neginf", 9, 4096, 0.005, 1.9, step=65535, neg_inf=0.8)
+gumbel_case("r9-v4096-tau0.2-strided", 9, 4096, 0.2, 1.2, step=2, strided=True)
+
+
+# --------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------
 
@@ -977,7 +1161,11 @@ def check_case(backend, case):
     got = _C.run_op(backend, case.op, inputs, params)
     for before, after in zip(snapshot, inputs):
         assert before is None or np.array_equal(before, after, equal_nan=True), "run_op modified an input"
-    want = np.asarray(case.reference(inputs, params))
+    want = case.reference(inputs, params)
+    if case.check is not None:
+        case.check(got, want, "%s on %s" % (case.id, backend))
+        return
+    want = np.asarray(want)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
     assert got.shape == want.shape
     assert np.all(np.isfinite(got)), "non-finite values in the result"
@@ -1111,9 +1299,221 @@ BAD_CALLS += [
 ]
 
 
+def _u32(n):
+    return np.arange(n, dtype=np.uint32)
+
+
+_KEYS = {"seed": 1, "step": 0}
+
+BAD_CALLS += [
+    ("sample_tokens-image-rows", "cpu", "sample_tokens", (_m(3, 8), _u32(2), _u32(3)), _KEYS,
+     ValueError, "sample_tokens: argument 'image': expected shape (3,), got (2,)"),
+    ("sample_tokens-position-dtype", "cpu", "sample_tokens",
+     (_m(3, 8), _u32(3), np.arange(3, dtype=np.int32)), _KEYS, ValueError,
+     "sample_tokens: argument 'position': expected dtype uint32"),
+    ("sample_tokens-step", "cpu", "sample_tokens", (_m(3, 8), _u32(3), _u32(3)),
+     {"seed": 1, "step": 65536}, ValueError, "param 'step' must be in [0, 65535]"),
+    ("sample_tokens-seed-missing", "cpu", "sample_tokens", (_m(3, 8), _u32(3), _u32(3)),
+     {"step": 0}, ValueError, "sample_tokens: param 'seed' is required"),
+    ("sample_tokens-top-p-type", "cpu", "sample_tokens", (_m(3, 8), _u32(3), _u32(3)),
+     dict(_KEYS, top_p="0.9"), ValueError, "param 'top_p': expected a number"),
+    ("sample_tokens-top-k-float", "cpu", "sample_tokens", (_m(3, 8), _u32(3), _u32(3)),
+     dict(_KEYS, top_k=2.0), ValueError, "param 'top_k': expected an integer"),
+    ("sample_tokens-rows-above-array", "cpu", "sample_tokens", (_m(3, 8), _u32(3), _u32(3)),
+     dict(_KEYS, rows=4), ValueError, "param 'rows' must be in ["),
+    ("sample_tokens-vocab-above-array", "cpu", "sample_tokens", (_m(3, 8), _u32(3), _u32(3)),
+     dict(_KEYS, vocab=9), ValueError, "param 'vocab' must be in ["),
+    ("gumbel-tau-missing", "cpu", "gumbel_softmax", (_m(3, 8), _u32(3), _u32(3)), _KEYS,
+     ValueError, "gumbel_softmax: param 'tau' is required"),
+    ("gumbel-probs-shape", "cpu", "gumbel_softmax", (_m(3, 8), _u32(3), _u32(3), _m(3, 7)),
+     dict(_KEYS, tau=1.0), ValueError, "argument 'probs': expected shape (3, 8), got (3, 7)"),
+    ("gumbel-unknown-param", "cpu", "gumbel_softmax", (_m(3, 8), _u32(3), _u32(3)),
+     dict(_KEYS, tau=1.0, top_k=3), ValueError, "unknown param 'top_k'"),
+]
+
+
 @pytest.mark.parametrize("backend_name,op,inputs,params,exc,fragment",
                          [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
 def test_run_op_rejects_bad_calls(backend_name, op, inputs, params, exc, fragment):
     with pytest.raises(exc) as info:
         _C.run_op(backend_name, op, inputs, params)
     assert fragment in str(info.value)
+
+
+
+# --------------------------------------------------------------------------
+# VAR's sampling ops: the op's own refusals on every backend, and properties
+# --------------------------------------------------------------------------
+
+def _rows_with(n, vocab, **entries):
+    """float32 [n, vocab] of ones with entries {"r_c": value} (row r, column c) set."""
+    x = np.ones((n, vocab), dtype=F32)
+    for key, value in entries.items():
+        r, c = map(int, key[1:].split("_"))
+        x[r, c] = value
+    return x
+
+
+def _all_neg_inf_row0(n, vocab):
+    x = np.ones((n, vocab), dtype=F32)
+    x[0] = -np.inf
+    return x
+
+
+_SAMPLE_FAULTS = [
+    # (id, op, logits, params, exception, message)
+    ("vocab0", np.zeros((2, 0), F32), {}, ValueError,
+     "{op}: vocab must be in [1, 2147483647] (tokens are int32), got 0"),
+    ("vocab-param0", _m(2, 4), {"vocab": 0}, ValueError,
+     "{op}: vocab must be in [1, 2147483647] (tokens are int32), got 0"),
+    ("rows-negative", _m(2, 4), {"rows": -1}, ValueError, "{op}: rows must be >= 0, got -1"),
+    ("ld-below-vocab", _m(2, 4), {"ld": 3}, ValueError,
+     "{op}: row stride ld = 3 is below vocab = 4"),
+    ("nan", _rows_with(3, 5, r1_2=np.nan), {}, FloatingPointError,
+     "{op}: row 1 of the logits contains NaN"),
+    ("nan-before-inf", _rows_with(3, 5, r1_4=np.inf, r2_0=np.nan, r1_0=np.nan), {},
+     FloatingPointError, "{op}: row 1 of the logits contains NaN"),
+    ("pos-inf", _rows_with(4, 5, r2_3=np.inf), {}, FloatingPointError,
+     "{op}: row 2 of the logits contains +inf (its softmax is not defined)"),
+    ("all-neg-inf", _all_neg_inf_row0(2, 5), {}, FloatingPointError,
+     "{op}: row 0 of the logits has no finite entry"),
+]
+_OP_PARAMS = {"sample_tokens": {"seed": 3, "step": 1, "top_k": 2, "top_p": 0.5},
+              "gumbel_softmax": {"seed": 3, "step": 1, "tau": 0.5, "logit_scale": 1.5}}
+SAMPLING_FAULTS = [("%s-%s" % (op, name), op, logits, dict(_OP_PARAMS[op], **extra), exc,
+                    message.format(op=op))
+                   for op in ("sample_tokens", "gumbel_softmax")
+                   for name, logits, extra, exc, message in _SAMPLE_FAULTS]
+SAMPLING_FAULTS += [
+    ("gumbel_softmax-ldp-below-vocab", "gumbel_softmax", _m(2, 4),
+     dict(_OP_PARAMS["gumbel_softmax"], ldp=3), ValueError,
+     "gumbel_softmax: probs row stride ldp = 3 is below vocab = 4"),
+    ("gumbel_softmax-tau0", "gumbel_softmax", _m(2, 4), dict(_OP_PARAMS["gumbel_softmax"], tau=0.0),
+     ValueError, "gumbel_softmax: logit_scale = 1.5 and tau = 0 must be finite and positive"),
+    ("gumbel_softmax-scale-negative", "gumbel_softmax", _m(2, 4),
+     dict(_OP_PARAMS["gumbel_softmax"], logit_scale=-1.0), ValueError,
+     "gumbel_softmax: logit_scale = -1 and tau = 0.5 must be finite and positive"),
+]
+
+
+@pytest.mark.parametrize("op,logits,params,exc,message", [c[1:] for c in SAMPLING_FAULTS],
+                         ids=[c[0] for c in SAMPLING_FAULTS])
+def test_sampling_ops_refuse_bad_input(backend, op, logits, params, exc, message):
+    """Refused by the op itself on every backend, with the same words (the CUDA backend
+    reports a row fault at the download that run_op does)."""
+    rows = logits.shape[0]
+    inputs = (logits, np.arange(rows, dtype=np.uint32), np.arange(rows, dtype=np.uint32))
+    with pytest.raises(exc) as info:
+        _C.run_op(backend, op, inputs, params)
+    assert message in str(info.value)
+    # the backend is usable afterwards (on CUDA: the fault was reported once, then cleared)
+    fine = np.zeros((2, 4), F32)
+    keys = np.arange(2, dtype=np.uint32)
+    got = _C.run_op(backend, op, (fine, keys, keys), _OP_PARAMS[op])
+    assert (got[0] if op == "sample_tokens" else got).shape[0] == 2
+
+
+def test_sample_tokens_keeps_ties_at_the_top_k_threshold(backend):
+    """top_k = 2 on rows whose 2nd largest value repeats: every entry equal to it stays,
+    so more than k entries remain (var_fastvar.md A6.1), and the draws use all of them."""
+    row = np.array([3.0, 1.0, 3.0, 2.0, 3.0, 0.0, 3.0, -1.0], dtype=F32)
+    n = 4000
+    logits = np.tile(row, (n, 1))
+    image, position = np.arange(n, dtype=np.uint32) // 50, np.arange(n, dtype=np.uint32) % 50
+    tokens, masked = _C.run_op(backend, "sample_tokens", (logits, image, position),
+                               {"seed": 5, "step": 2, "top_k": 2})
+    kept = row == 3.0
+    assert np.array_equal(masked, np.tile(np.where(kept, row, -np.inf).astype(F32), (n, 1)))
+    assert set(np.unique(tokens)) == set(np.flatnonzero(kept))
+
+
+def test_sample_tokens_rows_are_independent(backend):
+    """A row's token depends on its logits and its (image, position) key only: the rows in
+    another order, or alone, give the same tokens."""
+    rng = np.random.default_rng(8)
+    logits = randn(rng, 33, 64, scale=2.0)
+    image, position = var_keys(rng, 33)
+    params = {"seed": 11, "step": 4, "top_k": 20, "top_p": f32(0.9)}
+    tokens, masked = _C.run_op(backend, "sample_tokens", (logits, image, position), params)
+    perm = rng.permutation(33)
+    tokens_p, masked_p = _C.run_op(backend, "sample_tokens",
+                                   (logits[perm], image[perm], position[perm]), params)
+    assert np.array_equal(tokens_p, tokens[perm]) and np.array_equal(masked_p, masked[perm])
+    one, _ = _C.run_op(backend, "sample_tokens", (logits[5:6], image[5:6], position[5:6]), params)
+    assert one[0] == tokens[5]
+
+
+def _chi_square_pvalue(counts, probs):
+    from scipy.stats import chi2
+    expected = probs * counts.sum()
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    return float(chi2.sf(statistic, len(probs) - 1))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.0), (4, 0.0), (0, 0.8), (6, 0.7)],
+                         ids=["plain", "top_k4", "top_p0.8", "top_k6-top_p0.7"])
+def test_sample_tokens_draws_follow_the_softmax(backend, top_k, top_p):
+    """One row of 12 logits sampled under 24000 (image, position) keys: the empirical
+    distribution matches the softmax of the surviving logits (chi-square, p > 1e-3; the
+    seeds are fixed, so the outcome is fixed too), and no removed entry is ever drawn."""
+    row = np.array([1.2, -0.3, 0.8, 2.0, 0.1, -1.5, 1.9, 0.4, -0.8, 1.0, 0.6, 1.5], dtype=F32)
+    n = 24000
+    logits = np.tile(row, (n, 1))
+    image = (np.arange(n) // 120).astype(np.uint32)
+    position = (np.arange(n) % 120).astype(np.uint32) * 7 + 3
+    params = {"seed": 20240917, "step": 6, "top_k": top_k, "top_p": f32(top_p)}
+    tokens, masked = _C.run_op(backend, "sample_tokens", (logits, image, position), params)
+    kept = np.isfinite(masked[0])
+    assert np.array_equal(np.isfinite(masked), np.tile(kept, (n, 1)))
+    # the surviving set from the definition (float64): top-k by value, then top-p
+    order = np.argsort(-row.astype(np.float64), kind="stable")
+    survivors = np.ones(row.size, bool)
+    if top_k:
+        survivors[row < row[order[top_k - 1]]] = False
+    if top_p:
+        p = np.where(survivors, np.exp(row - row.max()), 0.0)
+        p /= p.sum()
+        ascending = np.argsort(np.where(survivors, row, -np.inf), kind="stable")
+        remove = np.cumsum(p[ascending]) <= 1.0 - f32(top_p)
+        remove[-1] = False
+        survivors[ascending[remove]] = False
+    assert np.array_equal(kept, survivors)
+    assert survivors.sum() < row.size or (top_k == 0 and top_p == 0.0)
+    assert np.all(survivors[tokens]), "a removed entry was sampled"
+    counts = np.bincount(tokens, minlength=row.size)[survivors]
+    weights = np.exp(row[survivors].astype(np.float64) - row.max())
+    assert _chi_square_pvalue(counts, weights / weights.sum()) > 1e-3
+
+
+def test_sample_tokens_uniform_key_draws_cover_the_vocabulary(backend):
+    """Equal logits: each of 64 tokens about equally often over 64000 keys (chi-square),
+    and the same keys at another step give other draws (the step is in the counter)."""
+    n, vocab = 64000, 64
+    logits = np.zeros((n, vocab), F32)
+    image = (np.arange(n) % 16).astype(np.uint32)
+    position = (np.arange(n) // 16).astype(np.uint32)
+    tokens, _ = _C.run_op(backend, "sample_tokens", (logits, image, position), {"seed": 77, "step": 0})
+    counts = np.bincount(tokens, minlength=vocab)
+    assert _chi_square_pvalue(counts, np.full(vocab, 1.0 / vocab)) > 1e-3
+    other, _ = _C.run_op(backend, "sample_tokens", (logits, image, position), {"seed": 77, "step": 1})
+    assert np.mean(other == tokens) < 0.05
+
+
+def test_gumbel_softmax_rows_sum_to_one_and_follow_the_argmax_law(backend):
+    """Gumbel-max: argmax_j (l_j + g_j) is distributed as softmax(l); with logit_scale 1
+    the argmax of the op's probabilities is that draw (chi-square over 20000 keys), each
+    row sums to 1 and removed (-inf) entries get exactly 0."""
+    row = np.array([0.5, -1.0, 1.5, 0.0, -np.inf, 1.0, 0.2, -np.inf], dtype=F32)
+    n = 20000
+    logits = np.tile(row, (n, 1))
+    image = (np.arange(n) // 100).astype(np.uint32)
+    position = (np.arange(n) % 100).astype(np.uint32)
+    probs = _C.run_op(backend, "gumbel_softmax", (logits, image, position),
+                      {"seed": 9, "step": 3, "tau": 1.0, "logit_scale": 1.0})
+    assert np.all(probs[:, ~np.isfinite(row)] == 0.0)
+    assert_close(probs.sum(axis=1, dtype=np.float64), np.ones(n), rtol=0, atol=1e-5,
+                 what="row sums")
+    finite = np.isfinite(row)
+    counts = np.bincount(np.argmax(probs, axis=1), minlength=row.size)[finite]
+    weights = np.exp(row[finite].astype(np.float64))
+    assert _chi_square_pvalue(counts, weights / weights.sum()) > 1e-3

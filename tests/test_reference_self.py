@@ -65,6 +65,57 @@ def test_token_normals_statistics():
     assert abs(z.mean()) < 0.01 and abs(z.std() - 1.0) < 0.01
 
 
+def test_var_stream_uniforms_layout():
+    """Streams 3 and 4 (philox.h): the sampling uniform is word 0 of block 0 over 2^32;
+    the Gumbel uniform of entry j is (word j % 4 of block j // 4 + 0.5) / 2^32."""
+    seed, image, pos, step = 0xFEDCBA9876543210, 11, 1234, 7
+    u = philox.var_sample_uniforms(seed, [image, 0], [pos, 1], step)
+    assert u[0] == float(philox.block(seed, image, 3, pos, step, 0)[0]) / 2.0 ** 32
+    g = philox.var_gumbel_uniforms(seed, [image], [pos], step, 10)
+    assert g.shape == (1, 10)
+    for j in range(10):
+        w = philox.block(seed, image, 4, pos, step, j // 4)[j % 4]
+        assert g[0, j] == (float(w) + 0.5) / 2.0 ** 32
+    assert 0.0 < g.min() and g.max() < 1.0
+
+
+def test_var_sample_tokens_by_hand():
+    """ops.sample_tokens on rows whose filters and draws are worked out by hand."""
+    # top-k 2 with the 2nd largest tied: every 3 stays.
+    _, masked = ops.sample_tokens([[3.0, 1.0, 3.0, 2.0, 3.0]], 2, 0.0, 1, 0, [0], [0])
+    assert masked.tolist() == [[3.0, -np.inf, 3.0, -np.inf, 3.0]]
+    # top-p 0.5 on equal logits: sums 1/4, 1/2, 3/4 in index order; <= 1/2 goes.
+    _, masked = ops.sample_tokens([[0.0] * 4], 0, 0.5, 1, 0, [0], [0])
+    assert masked.tolist() == [[-np.inf, -np.inf, 0.0, 0.0]]
+    # top-p keeps the largest entry alone when top_p is tiny; top_p 1 and top_k >= vocab keep all.
+    _, masked = ops.sample_tokens([[0.5, 2.0, 1.0]], 0, 1e-20, 1, 0, [0], [0])
+    assert masked.tolist() == [[-np.inf, 2.0, -np.inf]]
+    row = [[0.5, 2.0, 1.0]]
+    assert ops.sample_tokens(row, 3, 1.0, 1, 0, [0], [0])[1].tolist() == row
+    # the draw: u from stream 3, token = first running sum of exp(l - max) above u * total
+    seed, image, pos, step = 5, 2, 9, 4
+    u = float(philox.block(seed, image, 3, pos, step, 0)[0]) / 2.0 ** 32
+    logits = np.array([[0.0, math.log(2.0), -np.inf, math.log(3.0)]], np.float32)
+    weights = [math.exp(float(v) - float(logits.max())) if v != -np.inf else 0.0 for v in logits[0]]
+    sums = np.cumsum(weights)
+    want = int(np.argmax(sums > u * sums[-1]))
+    tokens, _ = ops.sample_tokens(logits, 0, 0.0, seed, step, [image], [pos])
+    assert tokens.tolist() == [want] and want != 2
+
+
+def test_var_gumbel_softmax_by_hand():
+    seed, image, pos, step, tau, scale = 3, 1, 40, 2, 0.5, 1.5
+    logits = np.array([[0.25, -1.0, -np.inf, 2.0, 0.5]], np.float32)
+    u = philox.var_gumbel_uniforms(seed, [image], [pos], step, 5)[0]
+    z = [(float(l) * scale - math.log(-math.log(u[j]))) / tau for j, l in enumerate(logits[0])
+         if l != -np.inf]
+    e = np.exp(np.array(z) - max(z))
+    want = np.insert(e / e.sum(), 2, 0.0)
+    got = ops.gumbel_softmax(logits, scale, tau, seed, step, [image], [pos])
+    assert got.shape == (1, 5) and got[0, 2] == 0.0
+    np.testing.assert_allclose(got[0], want, rtol=1e-14, atol=0)
+
+
 def test_generation_order_is_permutation():
     seen = set()
     for image in range(4):

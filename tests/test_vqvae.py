@@ -86,6 +86,24 @@ def test_reference_area_bins_are_the_spec_table():
     assert ref_vq.area_bins(10, 13) == SPEC_AREA_BINS_10_TO_13
 
 
+def test_reference_bicubic_properties():
+    """The cubic-convolution weights (A = -0.75) sum to 1 (constant maps stay, a 1x1 input
+    gives a constant map), are PyTorch's known 2x up-sampling coefficients at t = 1/4 and
+    the half-pixel ones at t = 1/2, and make equal sizes the identity (B3)."""
+    rng = np.random.default_rng(0)
+    one = rng.standard_normal((2, 1, 1, 3))
+    assert np.allclose(ref_vq.resize_bicubic(one, 16, 16), np.broadcast_to(one, (2, 16, 16, 3)), atol=1e-14)
+    x = rng.standard_normal((1, 5, 7, 2))
+    assert np.allclose(ref_vq.resize_bicubic(x, 5, 7), x, atol=1e-14)
+    assert np.array_equal(ref_vq._cubic_weights(0.25), [-0.10546875, 0.87890625, 0.26171875, -0.03515625])
+    assert np.array_equal(ref_vq._cubic_weights(0.5), [-0.09375, 0.59375, 0.59375, -0.09375])
+    for n_in, n_out in ((4, 16), (13, 16), (16, 5)):
+        assert np.allclose(ref_vq.bicubic_matrix(n_in, n_out).sum(axis=1), 1.0, atol=1e-14)
+    # 2x up-sampling: output 2i + 1 weighs input rows i - 1 .. i + 2 by the t = 1/4 row
+    m = ref_vq.bicubic_matrix(8, 16)
+    assert np.array_equal(m[7, 2:6], [-0.10546875, 0.87890625, 0.26171875, -0.03515625])
+
+
 def op_bins(backend, in_size, out_size):
     """The bins the resize_area op uses along one axis, read back from its output on
     one-hot rows: image j is 1 at column j, so output column i is non-zero exactly for

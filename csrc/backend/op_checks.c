@@ -1,5 +1,9 @@
 #include "op_checks.h"
 
+#include <math.h>
+
+#include "sampling_inline.h"
+
 mc_status mc_check_window(const char *op, const mc_window2d *g, int pool, mc_err *err) {
     if (g->batch < 0 || g->height <= 0 || g->width <= 0)
         return mc_fail(err, MC_ERR_VALUE, "%s: bad input size [%lld, %lld, %lld]", op,
@@ -81,4 +85,42 @@ mc_status mc_check_resize_f32(const char *op, int64_t batch, int64_t in_h, int64
         out_w >= ((int64_t)1 << 24))
         return mc_fail(err, MC_ERR_VALUE, "%s: sides of 2^24 or more are not supported", op);
     return MC_OK;
+}
+
+mc_status mc_check_logit_rows(const char *op, int64_t ld, int64_t rows, int64_t vocab, mc_err *err) {
+    if (rows < 0)
+        return mc_fail(err, MC_ERR_VALUE, "%s: rows must be >= 0, got %lld", op, (long long)rows);
+    if (vocab < 1 || vocab > INT32_MAX)
+        return mc_fail(err, MC_ERR_VALUE,
+                       "%s: vocab must be in [1, %lld] (tokens are int32), got %lld", op,
+                       (long long)INT32_MAX, (long long)vocab);
+    if (ld < vocab)
+        return mc_fail(err, MC_ERR_VALUE, "%s: row stride ld = %lld is below vocab = %lld", op,
+                       (long long)ld, (long long)vocab);
+    return MC_OK;
+}
+
+mc_status mc_check_top_p(float top_p, mc_err *err) {
+    if (isnan(top_p))
+        return mc_fail(err, MC_ERR_VALUE, "sample_tokens: top_p is NaN");
+    return MC_OK;
+}
+
+mc_status mc_check_gumbel(float logit_scale, float tau, int64_t ldp, int64_t vocab, mc_err *err) {
+    if (!(isfinite(logit_scale) && logit_scale > 0.0f) || !(isfinite(tau) && tau > 0.0f))
+        return mc_fail(err, MC_ERR_VALUE,
+                       "gumbel_softmax: logit_scale = %g and tau = %g must be finite and positive",
+                       (double)logit_scale, (double)tau);
+    if (ldp < vocab)
+        return mc_fail(err, MC_ERR_VALUE, "gumbel_softmax: probs row stride ldp = %lld is below vocab = %lld",
+                       (long long)ldp, (long long)vocab);
+    return MC_OK;
+}
+
+mc_status mc_fail_row_fault(const char *op, int64_t row, int fault, mc_err *err) {
+    const char *what = fault == MC_ROW_NAN       ? "contains NaN"
+                       : fault == MC_ROW_POS_INF ? "contains +inf (its softmax is not defined)"
+                                                 : "has no finite entry (every logit is -inf: its "
+                                                   "softmax is not defined)";
+    return mc_fail(err, MC_ERR_NUMERIC, "%s: row %lld of the logits %s", op, (long long)row, what);
 }

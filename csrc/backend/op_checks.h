@@ -29,4 +29,19 @@ mc_status mc_check_resize(mc_pixel_type type, int64_t batch, int64_t in_h, int64
 mc_status mc_check_resize_f32(const char *op, int64_t batch, int64_t in_h, int64_t in_w,
                               int64_t channels, int64_t out_h, int64_t out_w, mc_err *err);
 
+/* sample_tokens and gumbel_softmax: rows >= 0, 1 <= vocab <= INT32_MAX (the
+ * tokens are int32), ld >= vocab. */
+mc_status mc_check_logit_rows(const char *op, int64_t ld, int64_t rows, int64_t vocab, mc_err *err);
+
+/* sample_tokens: top_p not NaN (any other value is a filter or none). */
+mc_status mc_check_top_p(float top_p, mc_err *err);
+
+/* gumbel_softmax: logit_scale and tau finite and positive, ldp >= vocab. */
+mc_status mc_check_gumbel(float logit_scale, float tau, int64_t ldp, int64_t vocab, mc_err *err);
+
+/* The row fault (sampling_inline.h: MC_ROW_NAN, MC_ROW_POS_INF or
+ * MC_ROW_NO_FINITE) of row `row` of the logits of `op` as an MC_ERR_NUMERIC
+ * failure, in the words both backends use. */
+mc_status mc_fail_row_fault(const char *op, int64_t row, int fault, mc_err *err);
+
 #endif

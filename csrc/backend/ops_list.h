@@ -294,4 +294,64 @@ MC_OP(resize_area, ALL,
       (be, x, batch, in_h, in_w, channels, out_h, out_w, y, err),
       0)
 
+/* ---- VAR ops ---- */
+
+/* VAR's token sampler (helpers.py sample_with_top_k_top_p_), one token per
+ * row of logits [rows, vocab] (row stride ld), in place on the logits:
+ *   a) 0 < top_k < vocab: thr = the top_k-th largest logit of the row
+ *      (counting repeats); every logit < thr becomes -inf, so ties at thr
+ *      survive and more than top_k entries may remain. top_k <= 0 or
+ *      top_k >= vocab: no top-k filter (k >= vocab keeps everything, where
+ *      torch.topk would refuse k > vocab).
+ *   b) 0 < top_p < 1, on the row after a): m = the row's largest logit,
+ *      e_j = exp((double)l_j - m) (0 for -inf), S = sum of e_j in vocabulary
+ *      order, p_j = e_j / S; the entries in ascending (value, index) order
+ *      (a stable order: equal values keep vocabulary order, -0 equals +0),
+ *      c = running sum of p in that order; every entry whose c <= 1 - top_p
+ *      (in double) becomes -inf, except the last (largest) of the order.
+ *      top_p <= 0 or top_p >= 1: no top-p filter.
+ *   c) u = w / 2^32 with w = word 0 of mc_philox_block(seed, image[r],
+ *      MC_STREAM_VAR_SAMPLE, position[r], step, block 0); q_j =
+ *      exp((double)l_j - m) (0 for -inf) of the filtered row, c_j the running
+ *      sum in vocabulary order; out[r] = the first j with c_j > u * c_{V-1},
+ *      or, if rounding leaves none, the last j with q_j > 0.
+ * All sums are sequential in double in the orders stated, so the float64
+ * reference reproduces the tokens and the masked logits exactly; CUDA's
+ * double exp may differ from the CPU's by an ulp, which can change a
+ * decision only at a tie within that rounding. The masked logits stay in
+ * `logits` (more_smooth's gumbel_softmax reads them, as the official
+ * in-place helper leaves them). out: int32 [rows]. image and position:
+ * uint32 [rows]. Refused (MC_ERR_VALUE): rows < 0, vocab < 1 or above
+ * INT32_MAX, ld < vocab, NaN top_p. A row holding NaN or +inf, or no
+ * finite logit, fails with MC_ERR_NUMERIC naming the op and the row; the
+ * CPU checks every row before it changes any, the CUDA backend reports the
+ * first such row at its next download (the stream is not waited on here;
+ * the row's token is then 0 and its logits are left as they were). */
+MC_OP(sample_tokens, ALL,
+      (mc_backend *be, float *logits, int64_t ld, int64_t rows, int64_t vocab, int64_t top_k,
+       float top_p, uint64_t seed, uint32_t step, const uint32_t *image, const uint32_t *position,
+       int32_t *out, mc_err *err),
+      (be, logits, ld, rows, vocab, top_k, top_p, seed, step, image, position, out, err),
+      0)
+
+/* VAR's more_smooth embedding weights (helpers.py gumbel_softmax_with_rng,
+ * hard = False): probs[r, j] = softmax_j((logits[r, j] * logit_scale +
+ * g_rj) / tau) with g = -log(E), E = -log(u), u = (w + 0.5) / 2^32, w =
+ * word j % 4 of mc_philox_block(seed, image[r], MC_STREAM_VAR_GUMBEL,
+ * position[r], step, block j / 4). Computed in double, rounded once to
+ * float; a -inf logit (one that sample_tokens removed) gets probability 0.
+ * probs [rows, vocab] with row stride ldp. Refused (MC_ERR_VALUE): rows < 0,
+ * vocab < 1, ld or ldp < vocab, logit_scale or tau not finite and positive.
+ * A row holding NaN or +inf, or no finite logit, fails with
+ * MC_ERR_NUMERIC as in sample_tokens (CUDA: at its next download; the
+ * row's probs are then left unwritten). FLOPs 0: the probs x codebook GEMM
+ * that follows is counted by gemm. */
+MC_OP(gumbel_softmax, ALL,
+      (mc_backend *be, const float *logits, int64_t ld, int64_t rows, int64_t vocab,
+       float logit_scale, float tau, uint64_t seed, uint32_t step, const uint32_t *image,
+       const uint32_t *position, float *probs, int64_t ldp, mc_err *err),
+      (be, logits, ld, rows, vocab, logit_scale, tau, seed, step, image, position, probs, ldp,
+       err),
+      0)
+
 #undef MC_OP

@@ -14,6 +14,14 @@
  *       is normal ch % 4 of block c0 = ch / 4, c2 = p, step 0.
  *   MC_STREAM_HEAD_STEP: noise added at diffusion index j (1..99) to token p:
  *       as above with step = j.
+ *   MC_STREAM_VAR_SAMPLE: VAR's categorical draw of token position p (its
+ *       index in the whole multi-scale sequence) at scale si: one uniform
+ *       u = w / 2^32 in [0, 1) from word 0 of block c0 = 0, c2 = p,
+ *       step = si (the sample_tokens op).
+ *   MC_STREAM_VAR_GUMBEL: VAR's more_smooth Gumbel noise of token position p
+ *       at scale si: vocabulary entry j uses word j % 4 of block c0 = j / 4,
+ *       c2 = p, step = si, as u = (w + 0.5) / 2^32 in (0, 1) (the
+ *       gumbel_softmax op).
  * Normals: Box-Muller in double on word pairs (w0, w1) -> (z0, z1) and
  *   (w2, w3) -> (z2, z3): u1 = (wa + 1) / 2^32, u2 = wb / 2^32,
  *   z = sqrt(-2 ln u1) * (cos 2 pi u2, sin 2 pi u2), rounded to float.
@@ -28,7 +36,9 @@
 enum {
     MC_STREAM_ORDER = 0,
     MC_STREAM_HEAD_INIT = 1,
-    MC_STREAM_HEAD_STEP = 2
+    MC_STREAM_HEAD_STEP = 2,
+    MC_STREAM_VAR_SAMPLE = 3,
+    MC_STREAM_VAR_GUMBEL = 4
 };
 
 void mc_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);

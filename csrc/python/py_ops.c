@@ -95,6 +95,19 @@
  *                normalize=False -> y [B,out_h,out_w,C] float32
  *   resize_bicubic (x [B,H,W,C],); out_h, out_w -> y [B,out_h,out_w,C]
  *   resize_area  (x [B,H,W,C],); out_h, out_w -> y [B,out_h,out_w,C]
+ *   sample_tokens (logits [rows,vocab] strided, image uint32 [rows],
+ *                position uint32 [rows]); seed (0..2**64-1), step (0..65535),
+ *                top_k=0 (any integer), top_p=0 -> (tokens int32 [rows],
+ *                logits [rows,vocab] as the op left them: masked entries
+ *                -inf). A tuple: the op's two results.
+ *   gumbel_softmax (logits [rows,vocab] strided, image uint32 [rows],
+ *                position uint32 [rows], probs [rows,vocab] strided=None);
+ *                seed, step (0..65535), tau, logit_scale=1 -> probs
+ *   Both take rows, vocab and ld (gumbel_softmax also ldp) as optional
+ *   params passed to the op as given instead of the sizes the arrays give,
+ *   as long as they ask for no more than the arrays hold (rows <= the
+ *   rows, vocab <= the columns, ld and ldp <= the row strides): so the
+ *   tests reach the op's own refusals of rows < 0, vocab < 1, ld < vocab.
  * "Pixel-strided": a 4-D view whose last axis is contiguous and whose
  * pixels are evenly spaced (a channel slice x[..., a:b] of an NHWC array)
  * is passed as is, with the pixel stride as ldx / ldy. */
@@ -1504,6 +1517,99 @@ static PyObject *run_var_resize(op_call *call, int bicubic) {
 
 static PyObject *run_resize_bicubic(op_call *call) { return run_var_resize(call, 1); }
 static PyObject *run_resize_area(op_call *call) { return run_var_resize(call, 0); }
+
+/* ------------------------------------------------------------------------
+ * VAR's sampling ops. */
+
+#define LLONG_MIN_LL (-9223372036854775807LL - 1)
+#define LLONG_MAX_LL 9223372036854775807LL
+#define UINT32_IN(name) {name, NPY_UINT32, 1, ARG_REQUIRED, LAYOUT_CONTIGUOUS}
+
+/* The size params of the sampling ops: each defaults to what the array
+ * gives and may be set lower (never higher: the op must stay inside the
+ * arrays), down to values the op itself refuses. */
+static int param_size_override(op_call *call, const char *key, int64_t holds, int64_t *out) {
+    long long v;
+    if (param_integer(call, key, 0, holds, LLONG_MIN_LL, holds, &v) < 0)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* logits, image and position of a sampling op (inputs 0..2) with its sizes. */
+static int fetch_logit_rows(op_call *call, operand **in, int count, int64_t *rows, int64_t *vocab,
+                            int64_t *ld) {
+    const arg_spec specs[] = {IN("logits", 2, LAYOUT_STRIDED), UINT32_IN("image"),
+                              UINT32_IN("position"), OPT_IN("probs", 2, LAYOUT_STRIDED)};
+    if (fetch_args(call, specs, count, in) < 0)
+        return -1;
+    operand *logits = in[0];
+    if (check_dims(call, in[1], logits->shape) < 0 || check_dims(call, in[2], logits->shape) < 0)
+        return -1;
+    return param_size_override(call, "rows", logits->shape[0], rows) < 0 ||
+                   param_size_override(call, "vocab", logits->shape[1], vocab) < 0 ||
+                   param_size_override(call, "ld", operand_ld(logits), ld) < 0
+               ? -1
+               : 0;
+}
+
+static PyObject *run_sample_tokens(op_call *call) {
+    static const char *const keys[] = {"seed", "step", "top_k", "top_p", "rows", "vocab", "ld", NULL};
+    uint64_t seed;
+    long long step, top_k;
+    float top_p;
+    int64_t rows, vocab, ld;
+    operand *in[3], *tokens;
+    if (check_param_keys(call, keys) < 0 || param_u64(call, "seed", &seed) < 0 ||
+        param_integer(call, "step", 1, 0, 0, 0xffff, &step) < 0 ||
+        param_integer(call, "top_k", 0, 0, LLONG_MIN_LL, LLONG_MAX_LL, &top_k) < 0 ||
+        param_float(call, "top_p", 0, 0.0f, &top_p) < 0 ||
+        fetch_logit_rows(call, in, 3, &rows, &vocab, &ld) < 0)
+        return NULL;
+    operand *logits = in[0], *image = in[1], *position = in[2];
+    if ((tokens = new_zeros(call, "tokens", NPY_INT32, 1, logits->shape)) == NULL ||
+        upload_all(call) < 0)
+        return NULL;
+    mc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = call->backend->ops->sample_tokens(call->backend, logits->device, ld, rows, vocab,
+                                               top_k, top_p, seed, (uint32_t)step, image->device,
+                                               position->device, tokens->device, &call->err);
+    Py_END_ALLOW_THREADS
+    if (status != MC_OK)
+        return mcpy_raise(&call->err);
+    PyObject *token_array = download_operand(call, tokens);
+    if (token_array == NULL)
+        return NULL;
+    PyObject *masked = download_operand(call, logits);
+    if (masked == NULL) {
+        Py_DECREF(token_array);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", token_array, masked);
+}
+
+static PyObject *run_gumbel_softmax(op_call *call) {
+    static const char *const keys[] = {"seed", "step", "tau", "logit_scale", "rows", "vocab",
+                                       "ld", "ldp", NULL};
+    uint64_t seed;
+    long long step;
+    float tau, logit_scale;
+    int64_t rows, vocab, ld, ldp;
+    operand *in[4];
+    if (check_param_keys(call, keys) < 0 || param_u64(call, "seed", &seed) < 0 ||
+        param_integer(call, "step", 1, 0, 0, 0xffff, &step) < 0 ||
+        param_float(call, "tau", 1, 0.0f, &tau) < 0 ||
+        param_float(call, "logit_scale", 0, 1.0f, &logit_scale) < 0 ||
+        fetch_logit_rows(call, in, 4, &rows, &vocab, &ld) < 0)
+        return NULL;
+    operand *logits = in[0], *image = in[1], *position = in[2], *probs = in[3];
+    if (output_operand(call, &probs, "probs", 2, logits->shape) < 0 ||
+        param_size_override(call, "ldp", operand_ld(probs), &ldp) < 0)
+        return NULL;
+    RETURN_OP(call, probs, gumbel_softmax, logits->device, ld, rows, vocab, logit_scale, tau, seed,
+              (uint32_t)step, image->device, position->device, probs->device, ldp);
+}
 
 /* ------------------------------------------------------------------------
  * The op table: one runner per entry of the op list, in its order. */

@@ -11,7 +11,11 @@
 #include <string.h>
 
 #include "../models/var.h"
+#include "../runtime/var_sampler.h"
 #include "py_backend.h"
+#include "py_config.h"
+#include "py_generate.h"
+#include "py_vqvae.h"
 
 typedef struct {
     PyObject_HEAD
@@ -328,6 +332,132 @@ done:
     return result;
 }
 
+/* VAR's tail of a step dict. */
+static int var_tail_dict(PyObject *d, const void *opaque, void *ctx) {
+    (void)ctx;
+    const mc_var_step_tail *s = opaque;
+    PyObject *tail = Py_BuildValue("{s:i,s:L,s:L,s:O,s:L,s:L,s:L,s:d}", "scale", s->scale, "patch",
+                                   (long long)s->patch, "tokens", (long long)s->tokens, "skipped",
+                                   s->skipped ? Py_True : Py_False, "sequences", (long long)s->sequences,
+                                   "kv_rows", (long long)s->kv_rows, "sublayer_rows", (long long)s->sublayer_rows,
+                                   "guidance", s->guidance);
+    int rc = tail == NULL ? -1 : PyDict_Update(d, tail);
+    Py_XDECREF(tail);
+    return rc;
+}
+
+/* The policy named by the dict's "policy" key, its config filled from the
+ * rest of the dict by the policy's field table and checked against the model. */
+static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config) {
+    *config = NULL;
+    if (!PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from a marcache VAR cache policy's as_dict()");
+        return NULL;
+    }
+    PyObject *name_obj = PyDict_GetItemString(cache, "policy");
+    const char *name = name_obj && PyUnicode_Check(name_obj) ? PyUnicode_AsUTF8(name_obj) : NULL;
+    if (name == NULL) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "cache config: missing 'policy' (the policy's name)");
+        return NULL;
+    }
+    const mc_var_policy_ops *ops = mc_var_policy_find(name);
+    if (ops == NULL) {
+        PyErr_Format(PyExc_ValueError, "cache config: no VAR cache policy named '%s'", name);
+        return NULL;
+    }
+    *config = PyMem_Calloc(1, ops->schema.size);
+    if (*config == NULL) {
+        mcpy_no_memory("the cache policy's configuration", ops->schema.size);
+        return NULL;
+    }
+    mc_err err = {0};
+    if (mcpy_fill_config(cache, name, ops->schema.fields, *config, ops->schema.size, "policy") < 0 ||
+        (ops->check(*config, model, &err) != MC_OK && mcpy_raise(&err) == NULL)) {
+        mcpy_free_config(ops->schema.fields, *config);
+        PyMem_Free(*config);
+        *config = NULL;
+        return NULL;
+    }
+    return ops;
+}
+
+static void free_policy_config(const mc_var_policy_ops *policy, void *config) {
+    if (policy != NULL)
+        mcpy_free_config(policy->schema.fields, config);
+    PyMem_Free(config);
+}
+
+/* generate(labels, vqvae, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,
+ * cache=None, callback=None) -> ((tokens int32 [n, L], f_hat float32 [n, side, side, Cvae]), steps) */
+static PyObject *var_generate(PyVAR *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"labels", "vqvae", "cfg", "top_k", "top_p", "more_smooth", "seed", "first_index",
+                               "cache", "callback", NULL};
+    PyObject *labels_obj, *vqvae_obj, *cache_obj = Py_None, *callback = Py_None;
+    double cfg = 1.5, top_p = 0.96;
+    long long top_k = 900;
+    int more_smooth = 0;
+    unsigned long long seed = 0, first_index = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|dLdpKKOO:generate", keywords, &labels_obj, &vqvae_obj, &cfg,
+                                     &top_k, &top_p, &more_smooth, &seed, &first_index, &cache_obj, &callback))
+        return NULL;
+    if (self->var == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (first_index > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
+    if (callback != Py_None && !PyCallable_Check(callback))
+        return PyErr_Format(PyExc_TypeError, "callback must be None or callable");
+    mc_vqvae *vq;
+    mc_backend *vq_backend;
+    PyThread_type_lock vq_lock;
+    if (mcpy_vqvae_borrow(vqvae_obj, &vq, &vq_backend, &vq_lock) < 0)
+        return NULL;
+    const mc_var_config *c = &self->var->config;
+    void *policy_config = NULL;
+    const mc_var_policy_ops *policy = NULL;
+    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
+        return NULL;
+    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
+    if (labels == NULL) {
+        free_policy_config(policy, policy_config);
+        return NULL;
+    }
+    const int64_t n = PyArray_DIM(labels, 0), side = c->patch_nums[c->n_scales - 1];
+    npy_intp tdims[2] = {(npy_intp)n, (npy_intp)c->tokens};
+    npy_intp fdims[4] = {(npy_intp)n, (npy_intp)side, (npy_intp)side, (npy_intp)c->vae_channels};
+    PyArrayObject *tokens = (PyArrayObject *)PyArray_SimpleNew(2, tdims, NPY_INT32);
+    PyArrayObject *f_hat = tokens ? (PyArrayObject *)PyArray_SimpleNew(4, fdims, NPY_FLOAT32) : NULL;
+    mc_var_generate_args gen = {
+        .labels = PyArray_DATA(labels), .n_images = n, .cfg = cfg, .top_k = top_k, .top_p = top_p,
+        .more_smooth = more_smooth, .seed = (uint64_t)seed, .first_index = (uint32_t)first_index,
+        .policy = policy, .policy_config = policy_config,
+    };
+    mc_var_run *run = NULL;
+    mc_err err = {0};
+    PyObject *step_list = NULL;
+    if (f_hat != NULL && mc_var_run_new(self->var, vq, vq_backend, &gen, PyArray_DATA(tokens), PyArray_DATA(f_hat),
+                                        &run, &err) != MC_OK)
+        mcpy_raise(&err);
+    if (run != NULL && claim(self) == 0) {
+        if (PyThread_acquire_lock(vq_lock, NOWAIT_LOCK)) {
+            step_list = mcpy_generate(&mc_var_generator, run, self->backend, callback, var_tail_dict, NULL);
+            PyThread_release_lock(vq_lock);
+        } else {
+            PyErr_SetString(PyExc_RuntimeError, "the VQVAE is running a call in another thread");
+        }
+        self->busy = 0;
+    }
+    mc_var_run_free(run);
+    Py_DECREF(labels);
+    free_policy_config(policy, policy_config);
+    if (step_list == NULL) {
+        Py_XDECREF(tokens);
+        Py_XDECREF(f_hat);
+        return NULL;
+    }
+    return Py_BuildValue("((NN)N)", tokens, f_hat, step_list);
+}
+
 static PyObject *var_get_config(PyVAR *self, void *closure) {
     (void)closure;
     if (self->var == NULL)
@@ -379,6 +509,10 @@ static PyObject *var_get_device(PyVAR *self, void *closure) {
 }
 
 static PyMethodDef var_methods[] = {
+    {"generate", (PyCFunction)(void (*)(void))var_generate, METH_VARARGS | METH_KEYWORDS,
+     "generate(labels int32 [n] (-1 = unconditional), vqvae (a marcache._C.VQVAE), cfg=1.5, top_k=900, "
+     "top_p=0.96, more_smooth=False, seed=0, first_index=0, cache=None, callback=None) -> ((tokens int32 [n, L], "
+     "f_hat float32 [n, side, side, Cvae]), list of per-scale dicts)"},
     {"scale_inputs", (PyCFunction)var_scale_inputs, METH_VARARGS,
      "scale_inputs(labels int32 [N] (num_classes = null class), next_maps float32 [N, T, Cvae]) -> inputs "
      "float32 [N, first + T, C]: the input embedding of the scales whose tokens next_maps covers (T = the "

@@ -20,6 +20,7 @@
  * copies the result back. */
 #include "py_numpy.h"
 #include "py_backend.h"
+#include "py_vqvae.h"
 
 #include <math.h>
 #include <pythread.h>
@@ -626,6 +627,20 @@ static PyTypeObject VQVAE_type = {
     .tp_init = (initproc)VQVAE_init,
     .tp_new = PyType_GenericNew,
 };
+
+int mcpy_vqvae_borrow(PyObject *obj, mc_vqvae **vq, mc_backend **backend, PyThread_type_lock *lock) {
+    if (!PyObject_TypeCheck(obj, &VQVAE_type)) {
+        PyErr_Format(PyExc_TypeError, "vqvae must be a marcache._C.VQVAE, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    VQVAEObject *self = (VQVAEObject *)obj;
+    if (!vq_ready(self))
+        return -1;
+    *vq = self->vq;
+    *backend = self->backend;
+    *lock = self->lock;
+    return 0;
+}
 
 int mcpy_vqvae_init(PyObject *module) {
     if (PyType_Ready(&VQVAE_type) < 0)

@@ -89,7 +89,10 @@ extern const mc_var_policy_ops mc_var_nocache_policy;
 
 /* The plain transformer of a scale (every block on every row, K/V appended
  * after the scales before it): what NoCache runs at every scale, and what a
- * pruning policy runs at the scales it leaves alone. */
+ * pruning policy runs at the scales before it prunes. It assumes every
+ * block's cache holds exactly the rows of the earlier scales (scale->begin);
+ * after a scale that appended only kept rows, a policy calls the sublayers
+ * (models/var.h) with each block's own K/V length instead. */
 mc_status mc_var_plain_transformer(mc_var *var, const mc_var_scale *scale, mc_var_transformer_stats *stats,
                                    mc_err *err);
 

@@ -479,3 +479,79 @@ def resize_bilinear_tf1(x, out_h, out_w, normalize=False):
     if normalize:
         out = (out - np.float32(128)) / np.float32(128)
     return out.astype(np.float32)
+
+
+# --------------------------------------------------------------------------
+# VAR sampling (var_fastvar.md A6; the contracts of sample_tokens and
+# gumbel_softmax in csrc/backend/ops_list.h)
+# --------------------------------------------------------------------------
+
+def _weights(row, max_logit):
+    """exp(l - max) in float64 for each float32 logit l (0 for -inf), with the C
+    library's exp (math.exp) so the weights are the ones a C loop computes."""
+    return np.array([0.0 if v == -np.inf else math.exp(float(v) - max_logit) for v in row],
+                    dtype=np.float64)
+
+
+def top_k_threshold(row, k):
+    """The k-th largest value of the row, counting repeats (1 <= k <= len(row))."""
+    return np.sort(np.asarray(row))[::-1][k - 1]
+
+
+def sample_tokens(logits, top_k, top_p, seed, step, image, position):
+    """VAR's sampler on float32 logits [rows, vocab]: returns (tokens int64 [rows],
+    masked logits float32 [rows, vocab]).
+
+    Per row, with m = the row's largest logit:
+      a) 0 < top_k < vocab: logits below the top_k-th largest (ties kept) -> -inf.
+      b) 0 < top_p < 1 (top_p rounded to float32, as the op receives it): e = exp(l - m)
+         (0 for -inf), S = sequential sum of e in vocabulary order, p = e / S; the
+         entries in ascending (value, index) order; c = sequential running sum of p in
+         that order; entries with c <= 1 - top_p become -inf, except the last one.
+      c) u = philox stream 3 uniform of (seed, image, position, step); q = exp(l - m) of
+         the filtered row (0 for -inf), c = running sum in vocabulary order; the token is
+         the first j with c_j > u * c[-1], else the last j with q_j > 0.
+    Sums are sequential (np.cumsum accumulates left to right), so the float32 logits
+    give the same decisions as any implementation that sums in these orders.
+    """
+    masked = np.array(logits, dtype=np.float32)
+    rows, vocab = masked.shape
+    top_p = float(np.float32(top_p))
+    uniforms = philox.var_sample_uniforms(seed, image, position, step)
+    tokens = np.zeros(rows, dtype=np.int64)
+    for r in range(rows):
+        row = masked[r]
+        max_logit = float(row.max())
+        if 0 < top_k < vocab:
+            row[row < top_k_threshold(row, top_k)] = -np.inf
+        if 0.0 < top_p < 1.0:
+            e = _weights(row, max_logit)
+            p = e / np.cumsum(e)[-1]
+            # lexsort: the last key is the primary one; -0.0 == 0.0 as values
+            order = np.lexsort((np.arange(vocab), row.astype(np.float64)))
+            remove = np.cumsum(p[order]) <= 1.0 - top_p
+            remove[-1] = False
+            row[order[remove]] = -np.inf
+        q = _weights(row, max_logit)
+        c = np.cumsum(q)
+        above = np.nonzero(c > uniforms[r] * c[-1])[0]
+        tokens[r] = above[0] if above.size else np.nonzero(q > 0.0)[0][-1]
+    return tokens, masked
+
+
+def gumbel_softmax(logits, logit_scale, tau, seed, step, image, position):
+    """VAR's more_smooth weights, float64 [rows, vocab]:
+    softmax_j((l_j * logit_scale + g_j) / tau) with g = -log(-log(u)), u the philox
+    stream 4 uniforms (u = (w + 0.5) / 2^32); -inf logits get probability 0.
+    logit_scale and tau are rounded to float32 as the op receives them."""
+    l = f64(logits)
+    rows, vocab = l.shape
+    scale = float(np.float32(logit_scale))
+    tau = float(np.float32(tau))
+    u = philox.var_gumbel_uniforms(seed, image, position, step, vocab)
+    gumbel = -np.log(-np.log(u))
+    finite = l != -np.inf
+    z = np.where(finite, (np.where(finite, l, 0.0) * scale + gumbel) / tau, -np.inf)
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.where(finite, np.exp(z), 0.0)
+    return e / e.sum(axis=1, keepdims=True)

@@ -10,6 +10,12 @@ Contract (philox.h comment block):
   stream 1 (HEAD_INIT): channel ch of token p = normal ch % 4 of block
       c0 = ch // 4, c2 = p, step 0.
   stream 2 (HEAD_STEP): as stream 1 with step = j (diffusion index 1..99).
+  stream 3 (VAR_SAMPLE): VAR's categorical draw of token position p (its
+      index in the whole multi-scale sequence) at scale si: u = w / 2^32 with
+      w = word 0 of block c0 = 0, c2 = p, step = si.
+  stream 4 (VAR_GUMBEL): VAR's more_smooth Gumbel noise: vocabulary entry j
+      of token p at scale si uses u = (w + 0.5) / 2^32 with w = word j % 4 of
+      block c0 = j // 4, c2 = p, step = si.
   Normals: Box-Muller in double on word pairs (w0, w1) -> (z0, z1) and
       (w2, w3) -> (z2, z3): u1 = (wa + 1) / 2^32, u2 = wb / 2^32,
       z = sqrt(-2 ln u1) * (cos 2 pi u2, sin 2 pi u2), rounded to float32.
@@ -19,6 +25,8 @@ import numpy as np
 STREAM_ORDER = 0
 STREAM_HEAD_INIT = 1
 STREAM_HEAD_STEP = 2
+STREAM_VAR_SAMPLE = 3
+STREAM_VAR_GUMBEL = 4
 
 M0 = np.uint64(0xD2511F53)
 M1 = np.uint64(0xCD9E8D57)
@@ -150,3 +158,25 @@ def generation_order(seed, image, n):
     words = order_words(seed, image, n)
     positions = np.arange(n, dtype=np.int64)
     return np.lexsort((positions, words)).astype(np.int64)
+
+
+def var_sample_uniforms(seed, image, position, step):
+    """Stream 3: the sampling uniform of each row, u = w / 2^32 in [0, 1) with w =
+    word 0 of block 0 of (seed, image[i], 3, position[i], step); float64 [rows]."""
+    image = np.asarray(image, dtype=np.uint64).reshape(-1)
+    position = np.asarray(position, dtype=np.uint64).reshape(-1)
+    words = block(seed, image, STREAM_VAR_SAMPLE, position, step, 0)
+    return words[:, 0].astype(np.float64) / 4294967296.0
+
+
+def var_gumbel_uniforms(seed, image, position, step, vocab):
+    """Stream 4: the Gumbel uniforms of each row, u[i, j] = (w + 0.5) / 2^32 in (0, 1)
+    with w = word j % 4 of block j // 4 of (seed, image[i], 4, position[i], step);
+    float64 [rows, vocab]."""
+    image = np.asarray(image, dtype=np.uint64).reshape(-1)
+    position = np.asarray(position, dtype=np.uint64).reshape(-1)
+    nblocks = (int(vocab) + 3) // 4
+    blocks = np.arange(nblocks, dtype=np.uint64)
+    words = block(seed, image[:, None], STREAM_VAR_GUMBEL, position[:, None], step, blocks[None, :])
+    words = words.reshape(len(image), 4 * nblocks)[:, :vocab]
+    return (words.astype(np.float64) + 0.5) / 4294967296.0

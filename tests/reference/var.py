@@ -77,11 +77,24 @@ def count_blocks(W):
     return depth
 
 
+class _Float64View:
+    """W[key] as float64, converted at each use (full-size weights stay in their own dtype)."""
+
+    def __init__(self, W):
+        self._W = W
+
+    def __getitem__(self, key):
+        return f64(self._W[key])
+
+    def __contains__(self, key):
+        return key in self._W
+
+
 class VARReference:
     """The VAR transformer of a state dict in the official key layout (A3), in float64."""
 
     def __init__(self, W, patch_nums=DEFAULT_PATCH_NUMS):
-        self.W = {k: f64(v) for k, v in W.items()}
+        self.W = _Float64View(W)
         W = self.W
         self.patch_nums = tuple(int(p) for p in patch_nums)
         self.begin = scale_begins(self.patch_nums)
@@ -295,8 +308,9 @@ def gumbel_probs(logits, logit_scale, tau, seed, images, positions, step):
 
 
 def guidance(cfg, si, n_scales):
-    """t = cfg * si / (n_scales - 1) (A4 step 3); 0 with one scale."""
-    return 0.0 if n_scales == 1 else cfg * si / (n_scales - 1)
+    """t = cfg * ratio with ratio = si / (n_scales - 1) (A4 step 3; the official order of the
+    double operations); 0 with one scale."""
+    return 0.0 if n_scales == 1 else cfg * (si / (n_scales - 1))
 
 
 def generate(model, vq, labels, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,

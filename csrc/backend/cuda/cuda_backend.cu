@@ -250,6 +250,21 @@ static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, si
     return MC_OK;
 }
 
+/* A row fault a sampling op recorded since the last download (read back
+ * into row_fault_host by the wait that just ended), as the CPU's
+ * MC_ERR_NUMERIC failure; the device word is cleared for later ops. */
+static mc_status report_row_fault(cuda_state *st, mc_err *err) {
+    const unsigned long long key = *st->row_fault_host;
+    if (key == MC_ROW_FAULT_NONE)
+        return MC_OK;
+    *st->row_fault_host = MC_ROW_FAULT_NONE;
+    MC_CUDA_TRY(cudaMemsetAsync(st->row_fault, 0xff, sizeof *st->row_fault, st->stream), err);
+    const unsigned op = (unsigned)(key >> (MC_ROW_FAULT_ROW_BITS + 2));
+    const int64_t row = (int64_t)((key >> 2) & ((1ull << MC_ROW_FAULT_ROW_BITS) - 1));
+    return mc_fail_row_fault(op < (unsigned)MC_OP_COUNT ? mc_op_names[op] : "a sampling op", row,
+                             (int)(key & 3u), err);
+}
+
 static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, size_t bytes,
                                mc_err *err) {
     cuda_state *st = cuda_st(be);
@@ -259,10 +274,14 @@ static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, 
     MC_TRY(mc_cuda_enter(be, err));
     be->syncs++;
     MC_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st->stream), err);
+    /* The row-fault word rides along: 8 bytes more in the same wait. */
+    MC_CUDA_TRY(cudaMemcpyAsync(st->row_fault_host, st->row_fault, sizeof *st->row_fault,
+                                cudaMemcpyDeviceToHost, st->stream),
+                err);
     /* Also where a fault of an earlier kernel on the stream is reported. */
     MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
     st->staging_used = 0;
-    return MC_OK;
+    return report_row_fault(st, err);
 }
 
 static mc_status cuda_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
@@ -368,6 +387,10 @@ static void cuda_free_state(cuda_state *st) {
             (void)cudaStreamSynchronize(st->stream);
         if (st->staging != NULL)
             (void)cudaFreeHost(st->staging);
+        if (st->row_fault_host != NULL)
+            (void)cudaFreeHost(st->row_fault_host);
+        if (st->row_fault != NULL)
+            (void)cudaFree(st->row_fault);
         if (st->blas != NULL)
             (void)cublasDestroy(st->blas);
         if (st->blas_workspace != NULL)
@@ -458,6 +481,12 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     const size_t workspace_bytes = (size_t)32 << 20;
     MC_CUDA_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), err);
     MC_CUBLAS_TRY(cublasSetWorkspace(st->blas, st->blas_workspace, workspace_bytes), err);
+    /* The sampling ops' row-fault word, cleared in stream order before any
+     * op can run (ops go to the same stream). */
+    MC_CUDA_TRY(cudaMalloc((void **)&st->row_fault, sizeof *st->row_fault), err);
+    MC_CUDA_TRY(cudaMallocHost((void **)&st->row_fault_host, sizeof *st->row_fault_host), err);
+    *st->row_fault_host = MC_ROW_FAULT_NONE;
+    MC_CUDA_TRY(cudaMemsetAsync(st->row_fault, 0xff, sizeof *st->row_fault, st->stream), err);
     const char *graphs = getenv("MARCACHE_CUDA_GRAPHS");
     st->graphs_enabled =
         !(graphs != NULL && strcmp(graphs, "0") == 0) && !mc_cuda_sync_launches();

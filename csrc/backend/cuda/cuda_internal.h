@@ -31,6 +31,7 @@ enum {
     MC_CUDA_SLOT_COLUMNS = 0, /* im2col chunks of conv2d / conv2d_ex */
     MC_CUDA_SLOT_STATS = 1,   /* groupnorm partial sums, attention_mass row statistics */
     MC_CUDA_SLOT_HALF_X = 2,  /* linear's input rounded to the 16-bit weight type */
+    MC_CUDA_SLOT_SAMPLING = 3, /* sample_tokens: per-block weights and sort keys */
 };
 
 typedef struct cuda_state {
@@ -68,6 +69,14 @@ typedef struct cuda_state {
     size_t total_mem; /* the device's global memory, for requests that can never fit */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
     size_t scratch_bytes[MC_CUDA_SCRATCH_SLOTS];
+    /* Row faults of the sampling ops (a row of logits with NaN, +inf or no
+     * finite entry: MC_ERR_NUMERIC on the CPU). Finding one is data the
+     * host only has after a wait, and ops never wait: the kernel records
+     * the fault in this device word (mc_cuda_record_row_fault) and the next
+     * download, which waits anyway, reads it back into row_fault_host
+     * (pinned) and fails with the CPU's message. MC_ROW_FAULT_NONE: none. */
+    unsigned long long *row_fault;
+    unsigned long long *row_fault_host;
 } cuda_state;
 
 static inline cuda_state *cuda_st(mc_backend *be) { return (cuda_state *)be->impl; }
@@ -132,6 +141,21 @@ mc_status mc_cuda_enter(mc_backend *be, mc_err *err);
 /* Scratch of at least `bytes` in slot `slot` (grow-only; the old block is
  * freed in stream order, after the kernels that used it). */
 void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err);
+
+/* ---- row faults of the sampling ops ------------------------------------- */
+
+#define MC_ROW_FAULT_NONE 0xffffffffffffffffull
+#define MC_ROW_FAULT_ROW_BITS 54
+
+/* Records that row `row` of op `op` has fault `fault` (sampling_inline.h:
+ * MC_ROW_NAN, MC_ROW_POS_INF, MC_ROW_NO_FINITE). The word keeps the
+ * smallest (op id, row) since it was last read, so the report does not
+ * depend on the order the blocks ran in. */
+__device__ __forceinline__ void mc_cuda_record_row_fault(unsigned long long *word, int op,
+                                                         int64_t row, int fault) {
+    atomicMin(word, (unsigned long long)op << (MC_ROW_FAULT_ROW_BITS + 2) |
+                        (unsigned long long)row << 2 | (unsigned long long)fault);
+}
 
 /* ---- launch geometry ---------------------------------------------------- */
 
