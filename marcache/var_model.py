@@ -98,14 +98,15 @@ class VARModel:
 
     # ----------------------------------------------------------- arguments
     def _labels(self, labels, num_images):
-        """int32 [N] class ids; labels=None with num_images=N: the null class (unconditional)."""
+        """int32 [N] class ids; labels=None with num_images=N: -1, which the engine runs with
+        the null class (num_classes) on the conditional half too (unconditional)."""
         n_classes = self.config["num_classes"]
         if labels is None:
             if num_images is None:
                 raise ValueError("unconditional generation needs num_images=N (labels=None)")
             if not _is_int(num_images) or num_images < 1:
                 raise ValueError(f"num_images must be an integer >= 1, got {num_images!r}")
-            return np.full(int(num_images), n_classes, dtype=np.int32)
+            return np.full(int(num_images), -1, dtype=np.int32)
         arr = np.asarray(labels)
         if arr.ndim == 0:
             arr = arr.reshape(1)
