@@ -10,6 +10,7 @@ import numpy as np
 from . import _C
 from . import _driver
 from . import var_family
+from .model import GenerationInfo
 from .policies import resolve as _resolve_cache
 
 
@@ -148,8 +149,6 @@ class VARModel:
             cfg=float(cfg), top_k=int(top_k), top_p=float(top_p), more_smooth=bool(more_smooth), seed=int(seed),
             first_index=int(first_index), cache=cache.as_dict())
         if return_info:
-            from .model import GenerationInfo
-
             info = GenerationInfo(steps=step_infos, tokens=tokens, seconds_transformer_and_head=seconds,
                                   seconds_decode=0.0, flops=float(sum(s["flops"] for s in step_infos)), f_hat=f_hat)
             return tokens, f_hat, info
@@ -164,8 +163,9 @@ class VARModel:
         (scales - 1); cfg=0 runs the conditional half alone. top_k=0 and top_p in {0, 1}
         switch those filters off (top_k >= vocab keeps every token). more_smooth=True is
         the official visualisation mode (Gumbel-softmax mixing of codewords), not for FID.
-        Image j of a call is image first_index + j of the seed's sequence, the same
-        whatever the batch it is generated in. labels=None with num_images=N uses the
+        Image j of a call is image first_index + j of the seed's sequence: the same
+        tokens whatever the batch it is generated in (pixels within float32 rounding).
+        labels=None with num_images=N uses the
         null class. With return_info=True returns (images, GenerationInfo): one step dict
         per scale. progress=True shows a tqdm bar of the scales; "auto" only on a terminal.
         """
