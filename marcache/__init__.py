@@ -1,4 +1,4 @@
-"""marcache: MAR (and, later, VAR) image generation with training-free caching,
+"""marcache: MAR and VAR image generation with training-free caching,
 in C/CUDA with no PyTorch at run time.
 
 Quick start::
@@ -38,8 +38,9 @@ def _import_extension():
 
 _C = _import_extension()
 from .policies import CfgFreeLate, LazyMAR, MARche, NoCache  # noqa: E402
-from .flops import flops, MAR_CONFIGS  # noqa: E402
+from .flops import flops, MAR_CONFIGS, VAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402
+from .var_model import VARModel  # noqa: E402
 from . import convert  # noqa: E402  (marcache.convert.convert / read_checkpoint: no PyTorch needed)
 from . import digits  # noqa: E402  (the shipped digits MAR, data and classifier)
 
@@ -51,5 +52,6 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["load", "file_kind", "convert", "digits", "MARModel", "GenerationInfo", "NoCache", "LazyMAR", "MARche", "CfgFreeLate", "flops",
-           "MAR_CONFIGS", "build_info", "__version__"]
+__all__ = ["load", "file_kind", "convert", "digits", "MARModel", "VARModel", "GenerationInfo", "NoCache", "LazyMAR",
+           "MARche", "CfgFreeLate", "flops",
+           "MAR_CONFIGS", "VAR_CONFIGS", "build_info", "__version__"]

@@ -1,4 +1,7 @@
-"""Command line: python -m marcache {demo, generate, sample, fid, reference, info, flops, caches, convert}."""
+"""Command line: python -m marcache {demo, generate, sample, fid, reference, info, flops, caches, convert}.
+
+generate, sample and flops take MAR and VAR models: --cfg for both, --steps,
+--cfg-schedule and --temperature for MAR, --top-k, --top-p and --more-smooth for VAR."""
 import argparse
 import dataclasses
 import json
@@ -198,6 +201,49 @@ def _cmd_caches(args):
           "flops and demo")
 
 
+# Generation flags each model family takes (argparse dest -> flag); the other family's
+# flags are refused rather than ignored.
+_FAMILY_FLAGS = {
+    "mar": {"steps": "--steps", "cfg_schedule": "--cfg-schedule", "temperature": "--temperature"},
+    "var": {"top_k": "--top-k", "top_p": "--top-p", "more_smooth": "--more-smooth"},
+}
+
+
+def _generation_settings(args, family, what):
+    """model.generate's settings from the command line for a model of `family`: the
+    flags given (the model's defaults otherwise), a ValueError for a flag of the other
+    family."""
+    for other, flags in _FAMILY_FLAGS.items():
+        if other == family:
+            continue
+        given = [flag for dest, flag in flags.items() if getattr(args, dest, None) not in (None, False)]
+        if given:
+            raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to {other.upper()} models "
+                             f"only; {what} is a {family.upper()} model")
+    settings = {dest: getattr(args, dest) for dest in _FAMILY_FLAGS[family]
+                if getattr(args, dest, None) not in (None, False)}
+    if getattr(args, "cfg", None) is not None:
+        settings["cfg"] = args.cfg
+    return settings
+
+
+def _add_generation_arguments(parser):
+    """The sampling flags of generate and sample: --cfg for both families, the MAR and
+    the VAR ones (a flag of the other family is an error)."""
+    parser.add_argument("--cfg", type=float, default=None,
+                        help="guidance scale (MAR: default 1.0 = off; VAR: default 1.5, 0 = off)")
+    parser.add_argument("--steps", type=int, default=None, help="MAR: AR steps (default 64)")
+    parser.add_argument("--cfg-schedule", default=None, choices=["linear", "constant"],
+                        help="MAR: the CFG schedule (default linear)")
+    parser.add_argument("--temperature", type=float, default=None, help="MAR: sampling temperature (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="VAR: keep the k largest logits per token (default 900; 0 keeps all)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="VAR: nucleus sampling mass (default 0.96; 0 or 1 keeps all)")
+    parser.add_argument("--more-smooth", action="store_true",
+                        help="VAR: the official visualisation mode (Gumbel-softmax mix of codewords; not for FID)")
+
+
 def _cmd_generate(args):
     import marcache as mc
     from .png import grid, write_png
@@ -210,10 +256,10 @@ def _cmd_generate(args):
     model = mc.load(_model_path(args.model), vae=args.vae, device=args.device, dtype=args.dtype,
                     threads=args.threads)
     labels = args.labels if args.labels else None
-    images, info = model.generate(labels=labels, num_images=None if labels else args.num_images, steps=args.steps,
-                                  cfg=args.cfg, cfg_schedule=args.cfg_schedule, temperature=args.temperature,
-                                  seed=args.seed, first_index=args.first_index, cache=cache,
-                                  progress=_progress(args), return_info=True)
+    settings = _generation_settings(args, model.family, args.model)
+    images, info = model.generate(labels=labels, num_images=None if labels else args.num_images, seed=args.seed,
+                                  first_index=args.first_index, cache=cache, progress=_progress(args),
+                                  return_info=True, **settings)
     # Default: a model that decodes its own pixels (the digits MAR, 16 px) is upscaled to at least
     # 256 px; a VAE's output is the model's resolution (256 px for the released MARs) and is kept.
     if args.scale is not None:
@@ -262,6 +308,7 @@ def _cmd_sample(args):
     cache = _cache_of(args)
     model = mc.load(_model_path(args.model), vae=args.vae, device=args.device, dtype=args.dtype,
                     threads=args.threads)
+    settings = _generation_settings(args, model.family, args.model)
     labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
     bar = _Progress(args.n, "sample", enabled=_progress(args))
     writer = None
@@ -270,9 +317,8 @@ def _cmd_sample(args):
     try:
         for start in range(0, args.n, args.batch_size):
             lab = labels[start:start + args.batch_size]
-            images, info = model.generate(labels=lab, steps=args.steps, cfg=args.cfg, cfg_schedule=args.cfg_schedule,
-                                          temperature=args.temperature, seed=args.seed, first_index=start,
-                                          cache=cache, return_info=True)
+            images, info = model.generate(labels=lab, seed=args.seed, first_index=start, cache=cache,
+                                          return_info=True, **settings)
             if writer is None:
                 writer = SampleWriter(args.out, args.n, images.shape[1:])
             writer.write(np.asarray(images))
@@ -353,14 +399,34 @@ def _cmd_info(args):
 
 def _cmd_flops(args):
     import marcache as mc
+    from .flops import _family
 
     cache = _cache_of(args)
-    if args.model in mc.MAR_CONFIGS:
+    if args.model in mc.MAR_CONFIGS or args.model in mc.VAR_CONFIGS:
         target = args.model
     else:  # a model file (or `digits`): its configuration is read back from the file
         target = mc.load(_model_path(args.model))
-    rep = mc.flops(target, steps=args.steps, cfg=args.cfg, cache=cache, batch=1)
-    print(f"{args.model}, {args.steps} steps, cfg {args.cfg}, cache {type(cache).__name__}: "
+    family = _family(target)
+    settings = _generation_settings(args, family, args.model)
+    settings.pop("cfg_schedule", None)   # the FLOPs do not depend on the schedule or the temperature
+    settings.pop("temperature", None)
+    settings.pop("top_k", None)          # nor on the sampling filters
+    settings.pop("top_p", None)
+    rep = mc.flops(target, cache=cache, batch=1, **settings)
+    if family == "var":
+        cfg = settings.get("cfg", 1.5)
+        print(f"{args.model}, cfg {cfg}{', more_smooth' if settings.get('more_smooth') else ''}, cache "
+              f"{type(cache).__name__}: {rep.total / 1e12:.4f} TFLOPs per image (GFLOP: blocks' GEMMs "
+              f"{rep.linear / 1e9:.2f}, attention {rep.attention / 1e9:.2f}, head {rep.head / 1e9:.2f}, adaLN "
+              f"{rep.adaln / 1e9:.2f}, word_embed {rep.embed / 1e9:.2f}"
+              f"{f', more_smooth {rep.smooth / 1e9:.2f}' if rep.smooth else ''})")
+        print(f"{'scale':>5} {'tokens':>6} {'kv':>5} {'GFLOP':>10} {'share':>7}")
+        for s in rep.per_scale:
+            print(f"{s['scale']:>5} {s['tokens']:>6} {s['keys']:>5} {s['total'] / 1e9:>10.2f} "
+                  f"{100 * s['total'] / rep.total:>6.1f}%")
+        return
+    steps, cfg = settings.get("steps", 64), settings.get("cfg", 1.0)
+    print(f"{args.model}, {steps} steps, cfg {cfg}, cache {type(cache).__name__}: "
           f"{rep.total / 1e12:.4f} TFLOPs per image "
           f"(encoder {rep.encoder / 1e12:.3f}, decoder {rep.decoder / 1e12:.3f}, head {rep.head / 1e12:.3f})")
 
@@ -420,22 +486,20 @@ def main(argv=None):
     m.set_defaults(func=_cmd_demo)
 
     g = sub.add_parser("generate", help="generate a PNG grid of class-conditional images")
-    g.add_argument("--model", required=True, help="MAR .safetensors (converted official checkpoint), or 'digits' "
-                                                  "for the shipped digits MAR")
-    g.add_argument("--vae", default=None, help="KL-16 VAE .safetensors (not for pixel-token models such as "
-                                               "the digits MAR, which decode themselves)")
+    g.add_argument("--model", required=True, help="MAR or VAR .safetensors (converted official checkpoint), or "
+                                                  "'digits' for the shipped digits MAR")
+    g.add_argument("--vae", default=None, help="the decoder .safetensors: KL-16 VAE for a MAR, VQVAE for a VAR "
+                                               "(not for pixel-token models such as the digits MAR, which decode "
+                                               "themselves)")
     g.add_argument("--labels", type=int, nargs="*", default=[], help="ImageNet class indices (none: unconditional)")
     g.add_argument("--num-images", type=int, default=4, help="images for unconditional generation")
-    g.add_argument("--steps", type=int, default=64)
-    g.add_argument("--cfg", type=float, default=1.0)
-    g.add_argument("--cfg-schedule", default="linear", choices=["linear", "constant"])
-    g.add_argument("--temperature", type=float, default=1.0)
+    _add_generation_arguments(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--first-index", type=int, default=0)
     g.add_argument("--columns", type=int, default=None)
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
+                   help="type of the transformer's Linear weights (16-bit: autocast's arithmetic)")
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--scale", type=int, default=None,
                    help="integer nearest-neighbour upscale of each image (default: 1 with --vae, whose "
@@ -447,20 +511,17 @@ def main(argv=None):
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("sample", help="generate an ADM sample batch (.npz, arr_0 uint8 NHWC) for FID")
-    s.add_argument("--model", required=True, help="MAR .safetensors, or 'digits' for the shipped digits MAR")
-    s.add_argument("--vae", default=None, help="KL-16 VAE .safetensors (not needed by models that decode "
-                                               "themselves, such as the digits MAR)")
+    s.add_argument("--model", required=True, help="MAR or VAR .safetensors, or 'digits' for the shipped digits MAR")
+    s.add_argument("--vae", default=None, help="the decoder .safetensors: KL-16 VAE for a MAR, VQVAE for a VAR (not "
+                                               "needed by models that decode themselves, such as the digits MAR)")
     s.add_argument("--n", type=int, default=50000, help="number of images (50000 for paper numbers)")
     s.add_argument("--per-class", type=int, default=50, help="image i has class i // per_class")
-    s.add_argument("--steps", type=int, default=64)
-    s.add_argument("--cfg", type=float, default=1.0)
-    s.add_argument("--cfg-schedule", default="linear", choices=["linear", "constant"])
-    s.add_argument("--temperature", type=float, default=1.0)
+    _add_generation_arguments(s)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--batch-size", type=int, default=16)
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="type of the MAR model's Linear weights (16-bit: autocast's arithmetic)")
+                   help="type of the transformer's Linear weights (16-bit: autocast's arithmetic)")
     s.add_argument("--threads", type=int, default=0)
     _add_cache_arguments(s)
     _add_progress_arguments(s)
@@ -499,9 +560,9 @@ def main(argv=None):
     i.set_defaults(func=_cmd_info)
 
     f = sub.add_parser("flops", help="FLOPs of a run without running it")
-    f.add_argument("model", help="mar_base, mar_large, mar_huge, a MAR .safetensors file, or 'digits'")
-    f.add_argument("--steps", type=int, default=64)
-    f.add_argument("--cfg", type=float, default=1.0)
+    f.add_argument("model", help="mar_base, mar_large, mar_huge, var_d16, var_d20, var_d24, var_d30, a MAR or VAR "
+                                 ".safetensors file, or 'digits'")
+    _add_generation_arguments(f)
     _add_cache_arguments(f)
     f.set_defaults(func=_cmd_flops)
 

@@ -21,9 +21,9 @@ Pieces:
 - :func:`load_reference`, :func:`save_samples`, :func:`make_reference`: the ADM
   ``.npz`` formats (``arr_0`` uint8 NHWC samples; ``mu``/``sigma`` reference
   statistics, MAR's ``adm_in256_stats.npz`` included).
-- :func:`sweep`: generate N images per cache configuration with the
-  class-major label protocol, stream them into :class:`Stats`, and return
-  FID, IS and telemetry; for pytest sweeps over cache settings.
+- :func:`sweep`: generate N images per cache configuration (of a MAR or a VAR
+  model) with the class-major label protocol, stream them into :class:`Stats`,
+  and return FID, IS and telemetry; for pytest sweeps over cache settings.
 
 sFID (spatial features) and precision/recall of the ADM suite are not
 computed.
@@ -748,11 +748,27 @@ class SweepResult:
     inception_seconds_per_image: float
     stats: Stats = field(repr=False)
     logits: np.ndarray = field(repr=False)
+    settings: dict = field(default_factory=dict)  # the generation settings passed (the model's defaults otherwise)
 
 
-def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, cfg=1.0,
-          cfg_schedule="linear", temperature=1.0, batch_size=16, progress=False, is_protocol="torch-fidelity",
-          method="auto"):
+_SWEEP_SETS = ("labels", "seed", "first_index", "cache", "return_info", "num_images", "progress")
+
+
+def _check_generate_settings(model, settings):
+    """The model's own generation settings of a sweep: names its generate takes and the
+    sweep does not set itself (a ValueError naming the others)."""
+    import inspect
+
+    accepted = set(inspect.signature(model.generate).parameters) - set(_SWEEP_SETS)
+    unknown = sorted(set(settings) - accepted)
+    if unknown:
+        raise ValueError(f"sweep: {type(model).__name__}.generate takes no setting {', '.join(map(repr, unknown))}; "
+                         f"its settings: {', '.join(sorted(accepted))} (labels, seed, first_index and cache are "
+                         f"set by the sweep)")
+
+
+def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size=16, progress=False,
+          is_protocol="torch-fidelity", method="auto", **generate_settings):
     """Generates `n` images per cache configuration and scores them.
 
     configs: {name: cache config} (e.g. {"nocache": marcache.NoCache()}), or a
@@ -764,7 +780,13 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
     of SweepResult in the order of configs. seconds_per_image follows MAR's
     printout (mar.md 10): generation time (sampling + VAE decode) of every
     batch after the first, per image (all batches when there is only one).
+
+    generate_settings: the model's own generation settings, passed to every
+    model.generate call (its defaults otherwise): a MAR's steps (64), cfg (1.0),
+    cfg_schedule, temperature; a VAR's cfg (1.5), top_k (900), top_p (0.96),
+    more_smooth. A setting the model does not take is a ValueError.
     """
+    _check_generate_settings(model, generate_settings)
     if isinstance(configs, dict):
         items = list(configs.items())
     else:
@@ -785,9 +807,8 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
             for start in range(0, n, batch_size):
                 lab = labels[start:start + batch_size]
                 t0 = time.perf_counter()
-                images, info = model.generate(labels=lab, steps=steps, cfg=cfg, cfg_schedule=cfg_schedule,
-                                              temperature=temperature, seed=seed, first_index=start,
-                                              cache=cache, return_info=True)
+                images, info = model.generate(labels=lab, seed=seed, first_index=start, cache=cache,
+                                              return_info=True, **generate_settings)
                 t1 = time.perf_counter()
                 pool, lg = inception.features(images, batch_size=len(images))
                 inc_seconds += time.perf_counter() - t1
@@ -807,7 +828,8 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, steps=64, 
         results.append(SweepResult(name=name, cache=cache, n=n, fid=fid(stats, reference, method=method),
                                    inception_score=isc.mean, is_std=isc.std,
                                    seconds_per_image=gen_per_image, flops_per_image=flops / n,
-                                   inception_seconds_per_image=inc_seconds / n, stats=stats, logits=logits))
+                                   inception_seconds_per_image=inc_seconds / n, stats=stats, logits=logits,
+                                   settings=dict(generate_settings)))
     return results
 
 

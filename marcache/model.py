@@ -11,8 +11,9 @@ from . import _driver
 from .policies import resolve as _resolve_cache
 
 
-# What `python -m marcache convert` calls each kind of file a loader takes.
-_CONVERT_KIND = {"MAR model": "mar", "VAE": "vae-kl16"}
+# What `python -m marcache convert` calls each kind of file a loader takes: the model
+# (MAR or VAR) and the vae= file (MAR's KL-16 VAE or VAR's VQVAE).
+_CONVERT_KIND = {"model": ("mar", "var"), "VAE": ("vae-kl16", "vqvae")}
 
 
 def _check_path(path, what):
@@ -29,10 +30,11 @@ def _check_path(path, what):
     # from a pickle whose first bytes happen to read as a small header length.
     pickled = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and head[8:9] != b"{"
     if head[:4] == b"PK\x03\x04" or pickled:
-        kind = _CONVERT_KIND.get(what, "<kind>")
+        kind, other = _CONVERT_KIND.get(what, ("<kind>", None))
         raise ValueError(f"{what} {path} is a PyTorch checkpoint (torch.save), not a safetensors file: convert "
                          f"it first, without PyTorch: python -m marcache convert {kind} {path} -o "
-                         f"{os.path.splitext(os.path.basename(path))[0]}.safetensors")
+                         f"{os.path.splitext(os.path.basename(path))[0]}.safetensors"
+                         + (f" (kind {other} for VAR's file)" if other else ""))
     return path
 
 
@@ -67,12 +69,13 @@ def _resolve_device(device):
 
 @dataclass
 class GenerationInfo:
-    """Telemetry of one generate call."""
+    """Telemetry of one generate call: one dict per step (a MAR AR step, a VAR scale)."""
     steps: List[dict]
     tokens: np.ndarray
     seconds_transformer_and_head: float
     seconds_decode: float
     flops: float = field(default=0.0)
+    f_hat: Optional[np.ndarray] = field(default=None, repr=False)  # VAR: the VQVAE latent decoded
 
     @property
     def seconds(self):
@@ -138,6 +141,8 @@ class MARModel:
     A pixel-token model (decoder = "pixels" in its metadata, like the shipped
     digits model) decodes without a VAE.
     """
+
+    family = "mar"
 
     def __init__(self, mar, vae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
         self._mar = mar
@@ -310,50 +315,100 @@ def file_kind(path):
     return kind
 
 
-def _check_kind(path, want, role):
+def _kind_from_names(path):
+    """The kind a file without ``kind`` metadata holds, told from its tensor names
+    where the MAR loader cannot: VAR's transformer (pos_1LC, word_embed, lvl_embed) and
+    its VQVAE (quantize.embedding.weight); a KL-16 VAE (decoder.* alone) and a MAR
+    (diffloss.*) too, for the messages of the VAR path. None if none matches."""
+    names = {name for name, _, _ in _C.safetensors_info(os.fspath(path))[0]}
+    if names & {"pos_1LC", "word_embed.weight", "lvl_embed.weight"}:
+        return "var"
+    if "quantize.embedding.weight" in names:
+        return "vqvae"
+    if any(n.startswith("diffloss.") for n in names):
+        return "mar"
+    if "decoder.conv_in.weight" in names:
+        return "vae-kl16"
+    return None
+
+
+def _file_kind_and_source(path):
+    """(kind, how it was told): the metadata's kind, else VAR / VQVAE tensor names
+    (MAR, KL-16 and Inception files without metadata are left to the C loaders,
+    whose messages name what they found)."""
     kind = file_kind(path)
-    if kind is None or kind == want:
+    if kind is not None:
+        return kind, f"metadata kind={kind!r}, written by marcache convert"
+    kind = _kind_from_names(path)
+    if kind in ("var", "vqvae"):
+        return kind, "recognised from its tensor names"
+    return None, None
+
+
+# What to do with a file of each kind passed in the wrong place.
+_WHERE_IT_GOES = {
+    "mar": "pass it as the model path, with its KL-16 VAE as vae=",
+    "var": "pass it as the model path, with its VQVAE as vae=",
+    "vae-kl16": "pass it as vae=... (--vae) together with a MAR model file",
+    "vqvae": "pass it as vae=... (--vae) together with a VAR model file",
+    "inception": "it is the FID network: marcache.eval.InceptionV3.load (fid --inception)",
+}
+
+
+def _check_kind(path, want, role, kind=None, source=None):
+    """A ValueError when `path` (passed as `role`) holds another kind than `want`
+    (one kind or a tuple); files whose kind is unknown pass (their loader checks them)."""
+    if kind is None:
+        kind, source = _file_kind_and_source(path)
+    wants = (want,) if isinstance(want, str) else tuple(want)
+    if kind is None or kind in wants:
         return
-    hint = ""
-    if want == "mar" and kind == "vae-kl16":
-        hint = ": pass it as vae=... (--vae) together with a MAR model file"
-    elif want == "vae-kl16" and kind == "mar":
-        hint = ": pass it as the model path, and the KL-16 VAE file as vae="
-    elif kind in ("var", "vqvae", "inception"):
-        hint = ": this version of marcache runs MAR generation only"
-    raise ValueError(f"{role} {path} is {_KIND_DESCRIPTIONS[kind]} file (metadata kind={kind!r}, written by "
-                     f"marcache convert), not {_KIND_DESCRIPTIONS[want]}{hint}")
+    expected = " or ".join(_KIND_DESCRIPTIONS[w] for w in wants)
+    raise ValueError(f"{role} {path} is {_KIND_DESCRIPTIONS[kind]} file ({source}), not {expected}: "
+                     f"{_WHERE_IT_GOES[kind]}")
 
 
-def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps=100, threads=0):
-    """Loads a MAR safetensors file (converted from the official checkpoint) and optionally the KL-16 VAE.
+def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps=None, threads=0):
+    """Loads a model file (MAR or VAR, converted from the official checkpoint) and its decoder.
 
     The kind of each file is taken from its ``__metadata__`` ``kind`` (written by
-    ``marcache convert``): a VAE, VAR or Inception file passed as the model, or a
-    MAR file passed as vae=, is refused with a ValueError. Files without that
-    metadata are recognised from their tensor names.
+    ``marcache convert``), or else from its tensor names: a VAR transformer (pos_1LC,
+    word_embed, class_emb, ...) gives a VARModel, a MAR a MARModel. vae= is the KL-16
+    VAE for a MAR and the VQVAE for a VAR; a decoder of the other family, or a model
+    file passed as vae=, is refused with a ValueError saying where it goes.
 
     device: "cpu", "auto" (CUDA device 0 when built and present, else CPU) or "cuda[:N]".
-      The MAR model and the VAE are uploaded once to that device.
-    dtype: the type of the weights of every Linear layer of the MAR model, "fp32", "bf16" or
+      The model and its decoder are uploaded once to that device.
+    dtype: the type of the weights of every Linear layer of the transformer, "fp32", "bf16" or
       "fp16". With a 16-bit type each Linear and each attention runs as PyTorch's autocast
       does: Linear inputs, q, k, v and the attention probabilities are rounded to the 16-bit
       type and products are summed in float32 (attention where the head dim is a multiple of
       16); norms, softmax, the head's DDPM update and the VAE stay float32. On the GPU this
       uses the tensor cores; on the CPU it is an emulation (slower than fp32) that shows the
       numeric effect.
-    heads: attention heads, only for non-standard widths (the released 768/1024/1280 configs are known).
+    heads: MAR only: attention heads, for non-standard widths (the released 768/1024/1280
+      configs are known; VAR reads its heads from the checkpoint shapes).
+    diffusion_steps: MAR only: the head's DDPM steps (default 100).
     """
-    path = _check_path(path, "MAR model")
+    path = _check_path(path, "model")
     vae_path = _check_path(vae, "VAE") if vae is not None else None
     device = _resolve_device(device)
     if dtype not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16', got {dtype!r}")
-    if heads is not None and (not isinstance(heads, int) or heads < 1):
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
         raise ValueError(f"heads must be a positive integer, got {heads!r}")
-    if not isinstance(diffusion_steps, int) or not 1 <= diffusion_steps <= 1000:
+    if diffusion_steps is not None and (isinstance(diffusion_steps, bool) or not isinstance(diffusion_steps, int)
+                                        or not 1 <= diffusion_steps <= 1000):
         raise ValueError(f"diffusion_steps must be an integer in 1..1000, got {diffusion_steps!r}")
-    _check_kind(path, "mar", "model")
+    kind, source = _file_kind_and_source(path)
+    if kind == "var":
+        if heads is not None:
+            raise ValueError(f"heads={heads!r} applies to MAR models only: {path} is a VAR transformer, whose "
+                             f"heads are read from its shapes (scale_mul_1H11)")
+        if diffusion_steps is not None:
+            raise ValueError(f"diffusion_steps applies to MAR models only: {path} is a VAR transformer")
+        return _load_var(path, vae_path, device, dtype, threads)
+    _check_kind(path, ("mar", "var"), "model", kind, source)
     if vae_path is not None:
         _check_kind(vae_path, "vae-kl16", "vae=")
     _, metadata = _C.safetensors_info(path)
@@ -363,10 +418,49 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     if decoder == "pixels" and vae_path is not None:
         raise ValueError(f"{path} is a pixel-token model (metadata decoder='pixels'): it decodes without a VAE, "
                          f"do not pass vae=")
-    mar = _C.MAR(path, heads=heads or 0, diffusion_steps=diffusion_steps, threads=int(threads), device=device,
-                 dtype=dtype)
+    mar = _C.MAR(path, heads=heads or 0, diffusion_steps=100 if diffusion_steps is None else diffusion_steps,
+                 threads=int(threads), device=device, dtype=dtype)
     if decoder == "pixels":
         vae_obj = PixelDecoder.from_metadata(metadata, dict(mar.config), path)
     else:
         vae_obj = _C.VAE(vae_path, device=device) if vae_path is not None else None
     return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)
+
+
+def _tensor_shapes(path):
+    return {name: tuple(shape) for name, _, shape in _C.safetensors_info(os.fspath(path))[0]}
+
+
+def _check_var_and_vqvae_agree(var_path, vqvae_path):
+    """The VQVAE's codebook must be the one the VAR was trained on: its size is the
+    VAR head's output rows and its width the in-features of word_embed."""
+    var_shapes, vq_shapes = _tensor_shapes(var_path), _tensor_shapes(vqvae_path)
+    codebook = vq_shapes.get("quantize.embedding.weight")
+    head, embed = var_shapes.get("head.weight"), var_shapes.get("word_embed.weight")
+    if codebook is None or len(codebook) != 2 or head is None or embed is None:
+        return  # the C loaders name the missing or misshaped key
+    vocab, z = codebook
+    if head[0] != vocab:
+        raise ValueError(f"vae= {vqvae_path} does not fit {var_path}: the VQVAE's codebook has {vocab} entries "
+                         f"(quantize.embedding.weight {list(codebook)}) but the VAR predicts {head[0]} tokens "
+                         f"(head.weight {list(head)})")
+    if len(embed) == 2 and embed[1] != z:
+        raise ValueError(f"vae= {vqvae_path} does not fit {var_path}: the VQVAE's latent has {z} channels "
+                         f"(quantize.embedding.weight {list(codebook)}) but the VAR's word_embed takes {embed[1]} "
+                         f"(word_embed.weight {list(embed)})")
+
+
+def _load_var(path, vae_path, device, dtype, threads):
+    from .var_model import VARModel
+
+    vqvae = None
+    if vae_path is not None:
+        kind, source = _file_kind_and_source(vae_path)
+        if kind is None:  # also a KL-16 VAE or a MAR without metadata: the VAR path knows no other loader
+            kind, source = _kind_from_names(vae_path), "recognised from its tensor names"
+        _check_kind(vae_path, "vqvae", "vae=", kind, source)
+        _check_var_and_vqvae_agree(path, vae_path)
+    var = _C.VAR(path, device=device, dtype=dtype, threads=int(threads))
+    if vae_path is not None:
+        vqvae = _C.VQVAE(vae_path, num_threads=int(threads), device=device)
+    return VARModel(var, vqvae, path=path, vae_path=vae_path, device=device, dtype=dtype)

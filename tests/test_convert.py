@@ -297,10 +297,15 @@ def test_load_refuses_a_mar_file_as_the_vae(converted):
         mc.load(converted["mar"], vae=converted["mar"])
 
 
-@pytest.mark.parametrize("kind", ["var", "vqvae"])
-def test_load_refuses_var_files(converted, kind):
-    with pytest.raises(ValueError, match=f"kind='{kind}'.*MAR generation only"):
-        mc.load(converted[kind])
+def test_load_refuses_a_vqvae_as_the_model_and_decoders_of_the_other_family(converted):
+    with pytest.raises(ValueError, match=r"VQVAE decoder file \(metadata kind='vqvae'.*pass it as vae=.*VAR model"):
+        mc.load(converted["vqvae"])
+    with pytest.raises(ValueError, match=r"vae= .* is a KL-16 VAE decoder file .*not VAR's VQVAE decoder"):
+        mc.load(converted["var"], vae=converted["vae-kl16"])
+    with pytest.raises(ValueError, match=r"vae= .* is VAR's VQVAE decoder file .*not a KL-16 VAE decoder.*VAR model"):
+        mc.load(converted["mar"], vae=converted["vqvae"])
+    with pytest.raises(ValueError, match=r"vae= .* is a VAR transformer file .*not VAR's VQVAE decoder"):
+        mc.load(converted["var"], vae=converted["var"])
 
 
 def test_files_without_kind_metadata_still_load_by_key_sniffing(tmp_path):
@@ -358,6 +363,32 @@ def test_var_keeps_parameters_and_drops_buffers(converted):
     _, meta = _C.safetensors_info(str(converted["var"]))
     assert (meta["kind"], meta["depth"], meta["width"], meta["heads"], meta["vocab"], meta["tokens"]) == \
         ("var", "2", "16", "2", "32", "14")
+    assert meta["patch_nums"] == "1,2,3"   # from the lvl_1L buffer (scale index of every token)
+
+
+def test_var_patch_nums_need_a_scale_index_per_token(tmp_path):
+    sd = conv_fake(conv.var_expected_shapes(2, 16, 2, vocab=32, tokens=14, vae_channels=8, num_classes=10,
+                                            num_levels=3))
+    with pytest.raises(conv.CheckpointError, match="lvl_1L cannot be read, so the scales of its 14 tokens in 3 "
+                                                   "levels are unknown"):
+        conv.plan("var", fake_ck(sd))
+
+    class Values(FakeTensor):
+        def __init__(self, values):
+            super().__init__(np.shape(values), "I64")
+            self.values = np.asarray(values)
+
+        def numpy(self):
+            return self.values
+
+    good = [0] + [1] * 4 + [2] * 9
+    for bad in ([0] + [1] * 3 + [2] * 10,      # a level of 3 tokens: not a square
+                [0, 1, 1, 1, 2, 1] + [2] * 8):  # not ascending
+        sd["lvl_1L"] = Values([bad])
+        with pytest.raises(conv.CheckpointError, match="lvl_1L is not a scale index per token"):
+            conv.plan("var", fake_ck(sd))
+    sd["lvl_1L"] = Values([good])
+    assert conv.plan("var", fake_ck(sd)).metadata["patch_nums"] == "1,2,3"
 
 
 def test_vqvae_keeps_the_decoding_tensors(converted):

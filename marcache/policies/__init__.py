@@ -22,11 +22,12 @@ def resolve(cache, family="mar"):
     if cache is None:
         return NoCache()
     if isinstance(cache, POLICIES):
-        if cache.family != family:
+        if family not in getattr(cache, "families", (cache.family,)):
             raise ValueError(f"{type(cache).__name__} is a cache policy for {cache.family.upper()} models, "
                              f"not {family.upper()}")
         return cache
-    names = ", ".join(f"marcache.{p.__name__}(...)" for p in POLICIES if p.family == family)
+    names = ", ".join(f"marcache.{p.__name__}(...)" for p in POLICIES
+                      if family in getattr(p, "families", (p.family,)))
     raise TypeError(f"cache must be None or one of {names}, got {cache!r}")
 
 
