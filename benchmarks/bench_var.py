@@ -1,0 +1,161 @@
+"""CPU benchmark of VAR generation (issue 15): VAR-d16 and VAR-d30 with random weights in
+the official key layout and the official VQVAE configuration (vae_ch160v4096z32, random
+weights), the README's FID recipe (cfg 1.5, top_k 900, top_p 0.96), batch 1 and 8.
+
+For each (model, batch) it reports seconds per image of the transformer loop (10 scales:
+transformer, logits, guidance, sampling, VQ update) and of the VQVAE decode, the
+transformer's FLOPs per image (the engine's telemetry, held equal to marcache.flops) and
+the achieved GFLOP/s next to the sgemm rate measured in the same run, before and after,
+with the same thread pool. The decode's FLOPs (convolutions, spec var_fastvar.md E3:
+393.7 GFLOP per image) are outside the engine's FLOP convention and are shown apart.
+
+    python benchmarks/bench_var.py                         # d16 and d30, batch 1 and 8
+    python benchmarks/bench_var.py --models d16 --batches 1 # a quick look
+
+Weights are written once under benchmarks/.cache/ (d16 1.2 GB, d30 4 GB as bf16 bits,
+converted to float32 at load; the VQVAE 0.4 GB).
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+import marcache as mc
+from marcache import _C
+from marcache.convert.decoder import decoder_expected_shapes
+from marcache.convert.tensors import f32_to_bf16_bits
+from marcache.convert.var import var_expected_shapes
+from marcache.convert.writer import write_safetensors
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEPTHS = {"d16": 16, "d20": 20, "d24": 24, "d30": 30}
+DECODE_GFLOP_PER_IMAGE = 393.7  # var_fastvar.md E3
+
+
+class _RandomTensor:
+    """A tensor the safetensors writer materialises only when it writes it (the d30 file
+    never holds more than one tensor in memory): N(0, std) float32, or BF16 bits."""
+
+    def __init__(self, name, shape, seed, std, fill=None, bf16=False):
+        self.name, self.shape, self.seed, self.std, self.fill = name, tuple(shape), seed, std, fill
+        self.dtype = "BF16" if bf16 else "F32"
+
+    def raw(self):
+        if self.fill is not None:
+            arr = np.full(self.shape, self.fill, np.float32)
+        else:
+            rng = np.random.default_rng(self.seed)
+            arr = (self.std * rng.standard_normal(self.shape, dtype=np.float32)).astype(np.float32)
+        return f32_to_bf16_bits(arr) if self.dtype == "BF16" else arr
+
+
+def write_random_var(path, depth, bf16):
+    width = 64 * depth
+    shapes = var_expected_shapes(depth, width, depth)
+    tensors = {}
+    for i, (key, (shape)) in enumerate(shapes.items()):
+        if key in ("lvl_1L", "attn_bias_for_masking") or key.endswith("zero_k_bias"):
+            continue  # buffers: the converter does not write them either
+        if key.endswith("scale_mul_1H11"):
+            tensors[key] = _RandomTensor(key, shape, i, 0.0, fill=math.log(4.0), bf16=bf16)
+        else:
+            tensors[key] = _RandomTensor(key, shape, i, 0.02, bf16=bf16)
+    meta = {"kind": "var", "patch_nums": "1,2,3,4,5,6,8,10,13,16", "note": "random weights (bench_var.py)"}
+    write_safetensors(path, tensors, metadata=meta, dtype="BF16" if bf16 else "F32")
+
+
+def write_random_vqvae(path):
+    shapes = decoder_expected_shapes(160, (1, 1, 2, 2, 4), 2, 32, post_quant_ks=3, fused_qkv=True,
+                                     top_attention=True)
+    shapes["quantize.embedding.weight"] = (4096, 32)
+    for k in range(4):
+        shapes[f"quantize.quant_resi.qresi_ls.{k}.weight"] = (32, 32, 3, 3)
+        shapes[f"quantize.quant_resi.qresi_ls.{k}.bias"] = (32,)
+    tensors = {}
+    for i, (key, shape) in enumerate(shapes.items()):
+        norm_weight = key.endswith(".weight") and len(shape) == 1
+        tensors[key] = _RandomTensor(key, shape, 1000 + i, 0.02, fill=1.0 if norm_weight else None)
+    write_safetensors(path, tensors, metadata={"kind": "vqvae", "note": "random weights (bench_var.py)"})
+
+
+def sgemm_rate():
+    """Best GFLOP/s over GEMM shapes of the VAR blocks (nn.Linear form: rows x out x in)."""
+    shapes = [(2048, 2048, 2048), (512, 3072, 1024), (512, 4096, 1024), (512, 5760, 1920)]
+    rates = {}
+    for m, n, k in shapes:
+        seconds = _C.sgemm_seconds(m, n, k, 3)
+        rates[f"{m}x{n}x{k}"] = 2.0 * m * n * k / seconds / 1e9
+    return max(rates.values()), rates
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["d16", "d30"], choices=sorted(DEPTHS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"))
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    os.makedirs(args.cache_dir, exist_ok=True)
+    vq_path = os.path.join(args.cache_dir, "vqvae_ch160_random.safetensors")
+    if not os.path.exists(vq_path):
+        print(f"writing random VQVAE weights to {vq_path} ...", flush=True)
+        write_random_vqvae(vq_path)
+    peak_before, shapes = sgemm_rate()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"BLAS: {mc.build_info()['blas_config']}")
+    print("sgemm GFLOP/s by shape: " + ", ".join(f"{k}: {v:.1f}" for k, v in shapes.items()), flush=True)
+
+    rows = []
+    for name in args.models:
+        depth = DEPTHS[name]
+        bf16 = depth >= 24  # keeps the file at 2 bytes per weight; loaded as float32
+        path = os.path.join(args.cache_dir, f"var_{name}_random.safetensors")
+        if not os.path.exists(path):
+            print(f"writing random VAR-{name} weights to {path} ...", flush=True)
+            write_random_var(path, depth, bf16)
+        t0 = time.perf_counter()
+        model = mc.load(path, vae=vq_path)
+        print(f"VAR-{name}: loaded in {time.perf_counter() - t0:.1f} s ({model.num_params:,} parameters)",
+              flush=True)
+        model.generate_tokens(labels=[1], seed=0)  # warm-up: first allocations, page faults
+        for batch in args.batches:
+            labels = [(207 + 31 * i) % 1000 for i in range(batch)]
+            expected = mc.flops(f"var_{name}", cfg=1.5, batch=batch)
+            images, info = model.generate(labels=labels, seed=0, return_info=True)
+            assert images.shape == (batch, 256, 256, 3)
+            assert abs(info.flops - expected.total) <= 1e-9 * expected.total, (info.flops, expected.total)
+            loop_s = info.seconds_transformer_and_head
+            row = dict(model=name, batch=batch, loop_seconds=loop_s, decode_seconds=info.seconds_decode,
+                       gflop_per_image=info.flops / batch / 1e9, gflops_per_s=info.flops / loop_s / 1e9,
+                       decode_gflops_per_s=DECODE_GFLOP_PER_IMAGE * batch / info.seconds_decode)
+            rows.append(row)
+            print(f"VAR-{name} batch {batch}: loop {loop_s:.1f} s ({row['gflops_per_s']:.1f} GFLOP/s), "
+                  f"decode {info.seconds_decode:.1f} s", flush=True)
+        del model
+    peak_after, _ = sgemm_rate()
+    peak = max(peak_before, peak_after)
+
+    print()
+    print(f"VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32, "
+          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
+    print(f"measured sgemm peak: {peak:.1f} GFLOP/s (before {peak_before:.1f}, after {peak_after:.1f})")
+    print("| model | batch | loop s/image | decode s/image | GFLOP/image (loop) | loop GFLOP/s | % of sgemm |"
+          " decode GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| VAR-{r['model']} | {r['batch']} | {r['loop_seconds'] / r['batch']:.2f} | "
+              f"{r['decode_seconds'] / r['batch']:.2f} | {r['gflop_per_image']:.1f} | {r['gflops_per_s']:.1f} | "
+              f"{100 * r['gflops_per_s'] / peak:.0f}% | {r['decode_gflops_per_s']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(sgemm_peak=peak, sgemm_shapes=shapes, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
