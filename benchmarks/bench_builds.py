@@ -30,7 +30,7 @@ import marcache as mc
 from bench_cache import POLICIES
 assert mc.__file__.startswith({root!r}), mc.__file__
 model = mc.load({weights!r})
-labels = [(207 + 31 * i) % 1000 for i in range({batch})]
+labels = [(207 + 31 * i) % {num_classes} for i in range({batch})]
 cache = POLICIES[{policy!r}][1]()
 kwargs = dict(labels=labels, steps={steps}, cfg={cfg}, seed=0, cache=cache)
 model.generate_tokens(**kwargs)
@@ -42,7 +42,7 @@ print(json.dumps(dict(seconds=time.perf_counter() - t0)))
 
 def run_once(root, policy, args):
     code = CHILD.format(root=os.path.abspath(root), bench=HERE, weights=args.weights, batch=args.batch,
-                        policy=policy, steps=args.steps, cfg=args.cfg)
+                        num_classes=args.num_classes, policy=policy, steps=args.steps, cfg=args.cfg)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     if proc.returncode != 0:
         raise SystemExit(f"build {root}, policy {policy} failed:\n{proc.stderr[-3000:]}")
@@ -63,6 +63,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", nargs="+", default=POLICY_NAMES, choices=POLICY_NAMES)
     parser.add_argument("--weights", default=os.path.join(HERE, ".cache", "mar_base_random.safetensors"))
+    parser.add_argument("--num-classes", type=int, default=1000,
+                        help="labels are drawn below this (10 with --weights marcache/data/digits_mar.safetensors, "
+                             "the shipped digits MAR: a restructuring check that runs in minutes on a slow machine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sys.path.insert(0, os.path.abspath(args.new))  # the titles and the weight writer, from the new build
@@ -84,7 +87,7 @@ def main():
                 print(f"repeat {rep} {policy:16s} {build}: {seconds:.2f} s", flush=True)
 
     print()
-    print(f"MAR-B (random weights), CPU fp32, {args.steps} AR steps, cfg {args.cfg}, batch {args.batch}, "
+    print(f"{os.path.basename(args.weights)}, CPU fp32, {args.steps} AR steps, cfg {args.cfg}, batch {args.batch}, "
           f"{args.repeats} timed runs per build and policy, builds alternating")
     print("| policy | old s (median, min..max) | new s (median, min..max) | new / old |")
     print("|---|---|---|---|")
