@@ -1,4 +1,5 @@
-"""``python -m marcache demo``: the shipped digits MAR with every cache policy, side by side.
+"""``python -m marcache demo``: the shipped digits MAR with every cache policy, and the shipped
+digits VAR, side by side.
 
 Generates ``per_class`` digits of every class with each policy (the same labels and seeds),
 prints a table (seconds per image, speedup over NoCache, class accuracy of the shipped
@@ -52,15 +53,35 @@ def evaluate_policies(model, classifier, labels, policies, steps=digits.STEPS, c
     return rows
 
 
+def evaluate_var(model, classifier, labels, seed=0, train_features=None, first=None):
+    """The digits VAR on `labels` at its settings (digits.VAR_*): one row as
+    evaluate_policies gives (speedup against `first`, a MAR row; no pixel comparison: it
+    is another model)."""
+    t0 = time.perf_counter()
+    images = model.generate(labels=labels, cfg=digits.VAR_CFG, top_k=digits.VAR_TOP_K, top_p=digits.VAR_TOP_P,
+                            seed=seed)
+    seconds = time.perf_counter() - t0
+    row = dict(policy="VAR", cache=None, images=images, seconds=seconds, seconds_per_image=seconds / len(labels),
+               accuracy=classifier.accuracy(images, labels), psnr=None, mean_abs_diff=None)
+    if train_features is not None:
+        row["fid"] = digits.fid(classifier.features(images), train_features)
+    row["speedup"] = first["seconds"] / seconds if first is not None else 1.0
+    return row
+
+
 def format_table(rows, reference=None):
     head = (f"{'policy':<10} {'s/image':>8} {'speedup':>8} {'class acc':>10} {'digits-FID':>11} "
             f"{'PSNR vs NoCache':>16} {'mean |diff|':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        psnr = "identical" if r["psnr"] == float("inf") else f"{r['psnr']:.1f} dB"
+        if r["psnr"] is None:  # another model (the VAR): no pixel comparison with NoCache
+            psnr, diff = "-", "-"
+        else:
+            psnr = "identical" if r["psnr"] == float("inf") else f"{r['psnr']:.1f} dB"
+            diff = f"{r['mean_abs_diff']:.2f}"
         lines.append(f"{r['policy']:<10} {r['seconds_per_image']:>8.3f} {r['speedup']:>7.2f}x "
                      f"{100 * r['accuracy']:>9.1f}% {r.get('fid', float('nan')):>11.2f} {psnr:>16} "
-                     f"{r['mean_abs_diff']:>12.2f}")
+                     f"{diff:>12}")
     if reference is not None:
         lines.append(f"{reference['policy']:<10} {'':>8} {'':>8} {100 * reference['accuracy']:>9.1f}% "
                      f"{reference['fid']:>11.2f}")
@@ -140,8 +161,10 @@ def panels(rows, per_class, scale=3, gap=12, labels=True):
 
 
 def run(out="demo.png", per_class=10, steps=digits.STEPS, cfg=digits.CFG, seed=0, threads=0, quiet=False,
-        policies=None):
-    """The demo; returns (rows, reference). Prints as it goes unless quiet."""
+        policies=None, var=True):
+    """The demo; returns (rows, reference). Prints as it goes unless quiet. With var, the
+    shipped digits VAR runs after the MAR policies on the same labels and seed (its own
+    settings: cfg 1.5, top_k 900, top_p 0.96) and adds a row and a panel."""
     say = (lambda *a: None) if quiet else print  # noqa: E731
     t_start = time.perf_counter()
     model = digits.load_model(threads=threads)
@@ -158,6 +181,13 @@ def run(out="demo.png", per_class=10, steps=digits.STEPS, cfg=digits.CFG, seed=0
     rows = evaluate_policies(model, classifier, labels, policies or default_policies(), steps=steps, cfg=cfg,
                              seed=seed, train_features=train_features,
                              progress=lambda r: say(f"  {r['policy']}: {r['seconds']:.1f} s"))
+    if var:
+        var_model = digits.load_var(threads=threads)
+        say(f"and the digits VAR: {var_model!r}, cfg {digits.VAR_CFG}, top_k {digits.VAR_TOP_K}, "
+            f"top_p {digits.VAR_TOP_P}")
+        rows.append(evaluate_var(var_model, classifier, labels, seed=seed, train_features=train_features,
+                                 first=rows[0]))
+        say(f"  VAR: {rows[-1]['seconds']:.1f} s")
     say("")
     say(format_table(rows, reference))
     say(f"digits-FID: 64-d features of the shipped classifier, {len(labels)} generated digits (or the "

@@ -21,12 +21,18 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 MODEL_PATH = os.path.join(DATA_DIR, "digits_mar.safetensors")
 CLASSIFIER_PATH = os.path.join(DATA_DIR, "digits_classifier.safetensors")
 DATA_PATH = os.path.join(DATA_DIR, "digits.safetensors")
+VAR_PATH = os.path.join(DATA_DIR, "digits_var.safetensors")
+VQVAE_PATH = os.path.join(DATA_DIR, "digits_vqvae.safetensors")
 
 # Sampling settings the demo and tests use (chosen on the training split's statistics,
 # see tools/train_digits.py): 64 tokens in 16 AR steps is MAR-B's 4 tokens per step.
 STEPS = 16
 CFG = 2.0
 TEMPERATURE = 1.0
+# The digits VAR samples with VAR's FID recipe (the VARModel.generate defaults).
+VAR_CFG = 1.5
+VAR_TOP_K = 900
+VAR_TOP_P = 0.96
 
 
 def _read(path, what):
@@ -42,6 +48,19 @@ def load_model(threads=0, device="cpu"):
     from .model import load
 
     return load(MODEL_PATH, device=device, threads=threads)
+
+
+def load_var(threads=0, device="cpu"):
+    """The shipped digits VAR (depth 6, patch_nums 1,2,3,4,6,8) with its VQVAE (ch 32, vocab
+    256, an 8x8 latent for the 16x16 digits), both in the official key layouts
+    (tools/train_digits.py var)."""
+    from .model import load
+
+    for path, what in ((VAR_PATH, "digits VAR"), (VQVAE_PATH, "digits VQVAE")):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{what} file not found: {path} (the package was installed without its data "
+                                    f"files; reinstall marcache, or run tools/train_digits.py var)")
+    return load(VAR_PATH, vae=VQVAE_PATH, device=device, threads=threads)
 
 
 def load_data():

@@ -157,11 +157,28 @@ def test_demo_cli_writes_png_and_table(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "marcache", "demo", "--out", str(out), "--per-class", "2"],
                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr
-    for word in ("NoCache", "LazyMAR", "MARche", "class acc", "digits-FID", "speedup", "PSNR"):
+    for word in ("NoCache", "LazyMAR", "MARche", "VAR ", "class acc", "digits-FID", "speedup", "PSNR"):
         assert word in proc.stdout, word
     img = read_png(str(out))
-    # three panels of 10 rows x 2 columns of 48-pixel digits
+    # four panels (three MAR policies and the VAR) of 10 rows x 2 columns of 48-pixel digits
     # 10 rows of 48 px digits with 2 px gaps, plus a 32 px band for the panel titles;
-    # 3 panels, plus a 14 px margin for the row (class) labels (demo.panels, labels=True)
+    # 4 panels, plus a 14 px margin for the row (class) labels (demo.panels, labels=True)
     assert img.shape[0] == 10 * 48 + 11 * 2 + 32 and img.shape[2] == 3
-    assert img.shape[1] == 3 * (2 * 48 + 3 * 2) + 2 * 12 + 14
+    assert img.shape[1] == 4 * (2 * 48 + 3 * 2) + 3 * 12 + 14
+
+
+def test_digits_var_quality(classifier, data):
+    """Issue 15: the shipped digits VAR at its default settings (cfg 1.5, top_k 900, top_p 0.96)
+    on 500 digits (50 per class): class accuracy >= 90%; the digits-FID is printed for the notes
+    and must stay within reach of the MAR's (both measured against the training digits)."""
+    from marcache.demo import evaluate_var
+
+    model = digits.load_var()
+    labels = digits.class_labels(N_PER_CLASS)
+    train_features = classifier.features(data["images"][data["train"]])
+    row = evaluate_var(model, classifier, labels, seed=0, train_features=train_features)
+    print(f"\ndigits VAR, 500 digits: class accuracy {row['accuracy']:.4f}, digits-FID {row['fid']:.2f}, "
+          f"{row['seconds_per_image']:.4f} s/image")
+    assert row["images"].shape == (500, 16, 16, 3) and row["images"].dtype == np.uint8
+    assert row["accuracy"] >= 0.90
+    assert row["fid"] < 30.0
