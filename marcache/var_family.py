@@ -126,6 +126,12 @@ def scale_flops(ctx, policy, more_smooth=False, convention="engine"):
     transformer), head, embed, adaln, smooth and total."""
     c = ctx.config
     C = c["width"]
+    runs = getattr(policy, "runs_scale", None)
+    if runs is not None and not runs(ctx.scale, ctx.n_scales):
+        # a skipped scale (FastVAR's ratio 1) does no work at all
+        out = dict(scale=ctx.scale, tokens=ctx.tokens, keys=ctx.keys)
+        out.update((k, 0.0) for k in ("linear", "attention", "head", "embed", "adaln", "smooth", "total"))
+        return out
     linear, attn = policy.scale_flops(ctx)
     spec = convention == "spec"
     embed_rows = (ctx.n_seq if spec else ctx.batch) * ctx.tokens if ctx.scale > 0 else 0
