@@ -453,3 +453,20 @@ def test_command_line_settings():
     p = make_cache("fastvar", ["cache_scale=3", "prune=4:0.5,5:0.75", "layers=1,3", "skip_last=0"])
     assert p == mc.FastVAR(cache_scale=3, prune={4: 0.5, 5: 0.75}, layers=(1, 3))
     assert make_cache("fastvar", ['prune={"9": 1.0}', "layers=none"]) == mc.FastVAR(prune={9: 1.0})
+
+
+def test_readme_fastvar_table_is_marcache_flops():
+    """The README's FastVAR FLOP table holds what marcache.flops computes."""
+    import ast
+    import re
+
+    readme = open(os.path.join(os.path.dirname(HERE), "README.md")).read()
+    rows = re.findall(r"^\| `(FastVAR\(\)|prune=\{[^`]*\})` \([^|]*\) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) %, "
+                      r"([\d.]+) % \|$", readme, re.M)
+    assert len(rows) == 4
+    for setting, d16, d30, share16, share30 in rows:
+        policy = mc.FastVAR() if setting == "FastVAR()" else mc.FastVAR(prune=ast.literal_eval(setting[6:]))
+        for name, gflop, share in (("var_d16", d16, share16), ("var_d30", d30, share30)):
+            total = mc.flops(name, cache=policy).total
+            assert f"{total / 1e9:.1f}" == gflop, (setting, name)
+            assert f"{100 * total / mc.flops(name).total:.1f}" == share, (setting, name)
