@@ -270,6 +270,8 @@ def test_python_flop_model_equals_the_telemetry(files):
         _, _, info = model.generate_tokens([1, 2], cfg=cfg, more_smooth=smooth, cache=policy, return_info=True)
         report = mc.flops(model, cfg=cfg, cache=policy, batch=2, more_smooth=smooth)
         assert [s["total"] for s in report.per_scale] == [s["flops"] for s in info.steps]
+        assert [(s["tokens"], s["keys"]) for s in report.per_scale] == [(s["tokens"], s["kv_rows"])
+                                                                       for s in info.steps]
         n_seq = 4 if cfg else 2
         settings = RF.Settings.of_policy(policy)
         for si, s in enumerate(report.per_scale):

@@ -220,19 +220,28 @@ class FastVAR:
         keep = self.kept_tokens(si, tokens) if self.prune else tokens
         return [(keep, keep) if start <= b < stop else (tokens, tokens) for b in range(config["depth"])]
 
+    def _block_keys(self, config, si):
+        """K/V rows per sequence of every block after scale si."""
+        keys = [0] * config["depth"]
+        for s in range(si + 1):
+            for b, (attn_rows, _) in enumerate(self.block_rows(config, s)):
+                keys[b] += attn_rows
+        return keys
+
+    def scale_keys(self, ctx):
+        """K/V rows per sequence after the scale, the largest over blocks (the engine's
+        telemetry kv_rows)."""
+        return max(self._block_keys(ctx.config, ctx.scale))
+
     def scale_flops(self, ctx):
         """(linear, attention) FLOPs of the blocks at one scale (var_family.ScaleContext):
         the attention and FFN GEMMs on the rows each sublayer runs, and attention over
         the block's own K/V length, which earlier pruned scales shortened."""
         c = ctx.config
-        C, hidden, depth = c["width"], c["ffn_hidden"], c["depth"]
+        C, hidden = c["width"], c["ffn_hidden"]
         if not self.runs_scale(ctx.scale, ctx.n_scales):
             return 0, 0
-        keys = [0] * depth
-        for si in range(ctx.scale + 1):
-            rows = self.block_rows(c, si)
-            for b in range(depth):
-                keys[b] += rows[b][0]
+        keys = self._block_keys(c, ctx.scale)
         linear = attention = 0
         for b, (attn_rows, ffn_rows) in enumerate(self.block_rows(c, ctx.scale)):
             linear += attn_linear(ctx.n_seq * attn_rows, C) + ffn_linear(ctx.n_seq * ffn_rows, C, hidden)
