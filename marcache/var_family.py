@@ -126,7 +126,15 @@ def scale_flops(ctx, policy, more_smooth=False, convention="engine"):
     transformer), head, embed, adaln, smooth and total."""
     c = ctx.config
     C = c["width"]
+    runs = getattr(policy, "runs_scale", None)
+    if runs is not None and not runs(ctx.scale, ctx.n_scales):
+        # a skipped scale (FastVAR's ratio 1) does no work at all (the telemetry's tokens and kv_rows are 0)
+        out = dict(scale=ctx.scale, tokens=0, keys=0)
+        out.update((k, 0.0) for k in ("linear", "attention", "head", "embed", "adaln", "smooth", "total"))
+        return out
     linear, attn = policy.scale_flops(ctx)
+    # a policy that shortens the K/V cache (FastVAR) says how long it is: the telemetry's kv_rows
+    keys = policy.scale_keys(ctx) if hasattr(policy, "scale_keys") else ctx.keys
     spec = convention == "spec"
     embed_rows = (ctx.n_seq if spec else ctx.batch) * ctx.tokens if ctx.scale > 0 else 0
     parts = dict(linear=linear, attention=attn, head=head(ctx.n_seq * ctx.tokens, C, c["vocab"]),
@@ -134,7 +142,7 @@ def scale_flops(ctx, policy, more_smooth=False, convention="engine"):
                  adaln=adaln(ctx.n_seq, c["depth"], C) if spec or ctx.scale == 0 else 0,
                  smooth=smooth(ctx.batch * ctx.tokens, c["vocab"], c["vae_channels"]) if more_smooth else 0)
     total = sum(parts.values())  # integers: exact, then one rounding to float
-    out = dict(scale=ctx.scale, tokens=ctx.tokens, keys=ctx.keys)
+    out = dict(scale=ctx.scale, tokens=ctx.tokens, keys=keys)
     out.update((k, float(v)) for k, v in parts.items())
     out["total"] = float(total)
     return out

@@ -42,7 +42,7 @@ def digits_model():
 
 def test_registry_holds_every_public_policy_class():
     assert cache_policies() == {"nocache": mc.NoCache, "lazymar": mc.LazyMAR, "marche": mc.MARche,
-                                "cfgfreelate": mc.CfgFreeLate}
+                                "cfgfreelate": mc.CfgFreeLate, "fastvar": mc.FastVAR}
 
 
 def test_a_policy_field_that_holds_a_policy_takes_a_name_or_an_object():

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from marcache import _C
+from reference import fastvar as ref_fastvar
 from reference import ops as ref
 from reference import vqvae as ref_vq
 from reference import philox
@@ -1121,6 +1122,50 @@ gumbel_case("r9-v4096-tau0.005-neginf", 9, 4096, 0.005, 1.9, step=65535, neg_inf
 gumbel_case("r9-v4096-tau0.2-strided", 9, 4096, 0.2, 1.2, step=2, strided=True)
 
 
+# pivotal_rows (FastVAR's PTS, var_fastvar.md D2): the kept rows must be the reference's
+# exactly. HART-like sizes (13x13 keeping 85, 16x16 keeping 64), a strided view, keep 0 and
+# keep all, repeated rows (exact ties: the lower index wins), constant rows (all scores 0),
+# a NaN (every score of its sequence NaN: the lowest rows), one row.
+def pivotal_builder(batch, rows, dim, keep, strided=False, repeats=False, constant=False, nan=False):
+    def build(rng):
+        x = column_slice(rng, batch * rows, dim) if strided else randn(rng, batch * rows, dim)
+        if repeats:  # rows 2k and 2k+1 equal within each sequence
+            x = np.ascontiguousarray(x)
+            x[1::2] = x[0::2][: x[1::2].shape[0]]
+        if constant:
+            x = np.tile(randn(rng, 1, dim), (batch * rows, 1))
+        if nan:
+            x = np.ascontiguousarray(x)
+            x[rows + 1, dim // 2] = np.nan
+        return (x,), {"batch": batch, "keep": keep}
+    return build
+
+
+def ref_pivotal_rows(inputs, p):
+    return ref_fastvar.pivotal_rows(inputs[0], p.get("batch", 1), p["keep"])
+
+
+def check_pivotal_rows(got, want, what):
+    assert isinstance(got, np.ndarray) and got.dtype == np.int32, what
+    np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def pivotal_case(name, *args, **kw):
+    case("pivotal_rows", name, tol=0, reference=ref_pivotal_rows, check=check_pivotal_rows)(
+        pivotal_builder(*args, **kw))
+
+
+pivotal_case("b1-r1-c1-k1", 1, 1, 1, 1)
+pivotal_case("b2-r169-c32-k85", 2, 169, 32, 85)
+pivotal_case("b2-r256-c64-k64-strided", 2, 256, 64, 64, strided=True)
+pivotal_case("b4-r36-c48-k20", 4, 36, 48, 20)
+pivotal_case("b3-r10-c5-k0", 3, 10, 5, 0)
+pivotal_case("b2-r9-c3-k9-all", 2, 9, 3, 9)
+pivotal_case("b2-r12-c6-k5-ties", 2, 12, 6, 5, repeats=True)
+pivotal_case("b2-r7-c8-k3-constant", 2, 7, 8, 3, constant=True)
+pivotal_case("b2-r16-c8-k6-nan", 2, 16, 8, 6, nan=True)
+
+
 # --------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------
@@ -1329,6 +1374,14 @@ BAD_CALLS += [
      dict(_KEYS, tau=1.0), ValueError, "argument 'probs': expected shape (3, 8), got (3, 7)"),
     ("gumbel-unknown-param", "cpu", "gumbel_softmax", (_m(3, 8), _u32(3), _u32(3)),
      dict(_KEYS, tau=1.0, top_k=3), ValueError, "unknown param 'top_k'"),
+    ("pivotal_rows-keep-above-rows", "cpu", "pivotal_rows", (_m(6, 4),), {"batch": 2, "keep": 4}, ValueError,
+     "pivotal_rows: keep = 4 is outside [0, rows = 3]"),
+    ("pivotal_rows-keep-negative", "cpu", "pivotal_rows", (_m(6, 4),), {"keep": -1}, ValueError,
+     "pivotal_rows: keep = -1 is outside [0, rows = 6]"),
+    ("pivotal_rows-batch-divides", "cpu", "pivotal_rows", (_m(7, 4),), {"batch": 2, "keep": 1}, ValueError,
+     "pivotal_rows: argument 'x': its row count is not a multiple of param 'batch'"),
+    ("pivotal_rows-keep-missing", "cpu", "pivotal_rows", (_m(6, 4),), {}, ValueError,
+     "pivotal_rows: param 'keep' is required"),
 ]
 
 

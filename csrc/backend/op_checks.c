@@ -87,6 +87,23 @@ mc_status mc_check_resize_f32(const char *op, int64_t batch, int64_t in_h, int64
     return MC_OK;
 }
 
+mc_status mc_check_pivotal_rows(int64_t ldx, int64_t batch, int64_t rows, int64_t dim, int64_t keep,
+                                mc_err *err) {
+    if (batch < 0 || rows < 0 || dim < 0)
+        return mc_fail(err, MC_ERR_VALUE, "pivotal_rows: batch, rows and dim must be >= 0, got %lld, %lld, %lld",
+                       (long long)batch, (long long)rows, (long long)dim);
+    if (keep < 0 || keep > rows)
+        return mc_fail(err, MC_ERR_VALUE, "pivotal_rows: keep = %lld is outside [0, rows = %lld]", (long long)keep,
+                       (long long)rows);
+    if (ldx < dim)
+        return mc_fail(err, MC_ERR_VALUE, "pivotal_rows: row stride ldx = %lld is below dim = %lld", (long long)ldx,
+                       (long long)dim);
+    if (rows > 0 && batch > INT32_MAX / rows)
+        return mc_fail(err, MC_ERR_VALUE, "pivotal_rows: batch * rows = %lld * %lld exceeds the int32 row indices",
+                       (long long)batch, (long long)rows);
+    return MC_OK;
+}
+
 mc_status mc_check_logit_rows(const char *op, int64_t ld, int64_t rows, int64_t vocab, mc_err *err) {
     if (rows < 0)
         return mc_fail(err, MC_ERR_VALUE, "%s: rows must be >= 0, got %lld", op, (long long)rows);

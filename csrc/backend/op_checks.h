@@ -39,6 +39,11 @@ mc_status mc_check_top_p(float top_p, mc_err *err);
 /* gumbel_softmax: logit_scale and tau finite and positive, ldp >= vocab. */
 mc_status mc_check_gumbel(float logit_scale, float tau, int64_t ldp, int64_t vocab, mc_err *err);
 
+/* pivotal_rows: batch, rows, dim >= 0, 0 <= keep <= rows, ldx >= dim, and
+ * batch * rows row indices that fit int32. */
+mc_status mc_check_pivotal_rows(int64_t ldx, int64_t batch, int64_t rows, int64_t dim, int64_t keep,
+                                mc_err *err);
+
 /* The row fault (sampling_inline.h: MC_ROW_NAN, MC_ROW_POS_INF or
  * MC_ROW_NO_FINITE) of row `row` of the logits of `op` as an MC_ERR_NUMERIC
  * failure, in the words both backends use. */

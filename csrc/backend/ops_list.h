@@ -354,4 +354,28 @@ MC_OP(gumbel_softmax, ALL,
        err),
       0)
 
+/* ---- FastVAR ops (var_fastvar.md D2) ---- */
+
+/* FastVAR's pivotal token selection. x holds `batch` sequences of `rows`
+ * rows of `dim` channels: row r of sequence b at x + (b * rows + r) * ldx.
+ * Per sequence, in double: mu = the mean of its rows (each channel summed
+ * in row order, then divided by rows), score_r = sum over channels c in
+ * order of (x_rc - mu_c)^2 (the squared distance to the "DC" token). The
+ * `keep` rows with the largest scores are kept, a tie going to the lower
+ * row index: row r is kept when fewer than `keep` rows s have score_s >
+ * score_r, or score_s == score_r and s < r (a NaN score counts as larger
+ * than any number and equal to another NaN, so the order stays total and
+ * exactly `keep` rows are kept). out int32 [batch * keep]: sequence b's
+ * kept rows at [b * keep, (b + 1) * keep) in ascending (raster) order,
+ * written as b * rows + r, the row's index among all batch * rows rows
+ * (what gather_rows and scatter_rows take). Refused (MC_ERR_VALUE): batch,
+ * rows or dim < 0, keep outside [0, rows], ldx < dim, batch * rows above
+ * INT32_MAX. FLOPs 0: a reduction, no GEMM (spec Part E counts GEMMs and
+ * attention only). */
+MC_OP(pivotal_rows, ALL,
+      (mc_backend *be, const float *x, int64_t ldx, int64_t batch, int64_t rows, int64_t dim,
+       int64_t keep, int32_t *out, mc_err *err),
+      (be, x, ldx, batch, rows, dim, keep, out, err),
+      0)
+
 #undef MC_OP

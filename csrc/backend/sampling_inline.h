@@ -1,7 +1,8 @@
 /* Pieces of VAR's sampling ops (sample_tokens, gumbel_softmax; contracts in
  * ops_list.h) that the CPU (cpu_sampling.c) and CUDA (cuda_sampling.cu)
  * backends share as one source: the order key of a float and how a row of
- * logits that cannot be sampled is classified. Compiles as C11 and as CUDA
+ * logits that cannot be sampled is classified; and the order FastVAR's
+ * pivotal_rows selects rows in (cpu_dense.c, cuda_dense.cu). Compiles as C11 and as CUDA
  * host/device code, like core/philox_inline.h. */
 #ifndef MC_SAMPLING_INLINE_H
 #define MC_SAMPLING_INLINE_H
@@ -53,6 +54,17 @@ MC_SAMPLING_FN uint32_t mc_logit_order_key(float v) {
 /* The float of an order key (the inverse of mc_logit_order_key). */
 MC_SAMPLING_FN float mc_logit_key_value(uint32_t key) {
     return mc_bits_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+/* pivotal_rows' order: 1 when row a (score sa) comes before row b (score
+ * sb): a larger score, or an equal one and the lower index. A NaN score is
+ * larger than any number and equal to another NaN, so the order is total
+ * and a selection of the first `keep` rows always has `keep` rows. */
+MC_SAMPLING_FN int mc_pivotal_before(double sa, int64_t a, double sb, int64_t b) {
+    const int nan_a = sa != sa, nan_b = sb != sb;
+    if (nan_a || nan_b)
+        return nan_a && (!nan_b || a < b);
+    return sa > sb || (sa == sb && a < b);
 }
 
 #endif

@@ -125,7 +125,8 @@ static int fill_field(PyObject *value, const char *what, const mc_config_field *
         return read_choice(value, what, f, (int *)(base + f->offset));
     case MC_FIELD_POLICY:
         return fill_policy(value, what, f, (mc_policy_ref *)(base + f->offset));
-    case MC_FIELD_FLOATS: {
+    case MC_FIELD_FLOATS:
+    case MC_FIELD_DOUBLES: {
         PyObject *seq = PySequence_Fast(value, "a sequence");
         if (seq == NULL) {
             PyErr_Format(PyExc_TypeError, "%s: field '%s' must be a sequence of %d numbers", what, f->name, f->count);
@@ -137,13 +138,15 @@ static int fill_field(PyObject *value, const char *what, const mc_config_field *
             Py_DECREF(seq);
             return -1;
         }
-        float *out = (float *)(base + f->offset);
         for (int i = 0; i < f->count; i++) {
             if (read_number(PySequence_Fast_GET_ITEM(seq, i), what, f->name, 0, f->min, f->max, &x) < 0) {
                 Py_DECREF(seq);
                 return -1;
             }
-            out[i] = (float)x;
+            if (f->type == MC_FIELD_FLOATS)
+                ((float *)(base + f->offset))[i] = (float)x;
+            else
+                ((double *)(base + f->offset))[i] = x;
         }
         Py_DECREF(seq);
         return 0;

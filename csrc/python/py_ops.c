@@ -103,7 +103,10 @@
  *   gumbel_softmax (logits [rows,vocab] strided, image uint32 [rows],
  *                position uint32 [rows], probs [rows,vocab] strided=None);
  *                seed, step (0..65535), tau, logit_scale=1 -> probs
- *   Both take rows, vocab and ld (gumbel_softmax also ldp) as optional
+ *   pivotal_rows (x [batch*rows,dim] strided,); keep, batch=1 -> out int32
+ *                [batch*keep] (each sequence's kept rows ascending, as
+ *                indices b*rows+r)
+ *   Both sampling ops take rows, vocab and ld (gumbel_softmax also ldp) as optional
  *   params passed to the op as given instead of the sizes the arrays give,
  *   as long as they ask for no more than the arrays hold (rows <= the
  *   rows, vocab <= the columns, ld and ldp <= the row strides): so the
@@ -1609,6 +1612,25 @@ static PyObject *run_gumbel_softmax(op_call *call) {
         return NULL;
     RETURN_OP(call, probs, gumbel_softmax, logits->device, ld, rows, vocab, logit_scale, tau, seed,
               (uint32_t)step, image->device, position->device, probs->device, ldp);
+}
+
+static PyObject *run_pivotal_rows(op_call *call) {
+    static const char *const keys[] = {"batch", "keep", NULL};
+    long long batch, keep;
+    operand *x, *out;
+    if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "batch", 0, 1, 1, INT32_MAX, &batch) < 0 ||
+        param_integer(call, "keep", 1, 0, LLONG_MIN_LL, LLONG_MAX_LL, &keep) < 0 ||
+        fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED)), &x) < 0)
+        return NULL;
+    if (x->shape[0] % batch != 0)
+        return raise_value(call, "argument 'x': its row count is not a multiple of param 'batch'");
+    const int64_t rows = x->shape[0] / batch;
+    /* The op refuses keep outside [0, rows] itself; the result array is sized for a valid keep. */
+    int64_t count = keep >= 0 && keep <= rows ? batch * keep : 0;
+    if ((out = new_zeros(call, "out", NPY_INT32, 1, &count)) == NULL)
+        return NULL;
+    RETURN_OP(call, out, pivotal_rows, x->device, operand_ld(x), batch, rows, x->shape[1], keep, out->device);
 }
 
 /* ------------------------------------------------------------------------

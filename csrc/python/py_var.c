@@ -245,27 +245,62 @@ done:
     return (PyObject *)out;
 }
 
-/* forward_scales(labels int32 [N], inputs float32 [N, L_k, C]) -> (hidden float32 [N, L_k, C],
- * logits float32 [N, L_k, V]): the KV-cached scale loop over scales 0..k on given inputs (L_k
- * covers whole scales from the first), every block on every row of each scale, attending to the
- * scales before; hidden is the last block's output, logits the head's. */
-static PyObject *var_forward_scales(PyVAR *self, PyObject *args) {
-    PyObject *labels_obj, *inputs_obj;
-    if (!PyArg_ParseTuple(args, "OO:forward_scales", &labels_obj, &inputs_obj))
+static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config);
+static void free_policy_config(const mc_var_policy_ops *policy, void *config);
+
+/* One int32 array [depth, 2, N, n] per scale, every entry's rows 0..n-1:
+ * the trace a policy overwrites where it runs a sublayer on fewer rows. */
+static PyObject *new_trace(const mc_var_config *c, int64_t N, int n_scales) {
+    PyObject *list = PyList_New(n_scales);
+    for (int s = 0; list != NULL && s < n_scales; s++) {
+        const int64_t n = c->patch_nums[s] * c->patch_nums[s];
+        npy_intp dims[4] = {(npy_intp)c->depth, 2, (npy_intp)N, (npy_intp)n};
+        PyArrayObject *arr = (PyArrayObject *)PyArray_SimpleNew(4, dims, NPY_INT32);
+        if (arr == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        int32_t *data = PyArray_DATA(arr);
+        for (int64_t i = 0; i < c->depth * 2 * N * n; i++)
+            data[i] = (int32_t)(i % n);
+        PyList_SET_ITEM(list, s, (PyObject *)arr);
+    }
+    return list;
+}
+
+/* forward_scales(labels int32 [N], inputs float32 [N, L_k, C], cache=None, trace=False) -> (hidden
+ * float32 [N, L_k, C], logits float32 [N, L_k, V]) and, with trace=True, a third item: per scale an
+ * int32 array [depth, 2, N, n] of the rows each block's attention (0) and FFN (1) ran on for each
+ * sequence (ascending, then -1). The KV-cached scale loop over scales 0..k on given inputs (L_k
+ * covers whole scales from the first), each scale through the cache policy's transformer (cache: a
+ * VAR policy's as_dict(), the N sequences being a run of N images without guidance; None: every
+ * block on every row), attending to the scales before; hidden is the last block's output, logits the
+ * head's. Inputs that cover a scale the policy skips are refused. */
+static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"labels", "inputs", "cache", "trace", NULL};
+    PyObject *labels_obj, *inputs_obj, *cache_obj = Py_None;
+    int want_trace = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|Op:forward_scales", keywords, &labels_obj, &inputs_obj,
+                                     &cache_obj, &want_trace))
         return NULL;
     if (self->var == NULL)
         return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
     const mc_var_config *c = &self->var->config;
+    void *policy_config = NULL;
+    const mc_var_policy_ops *policy = NULL;
+    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
+        return NULL;
     PyArrayObject *labels = sequence_labels(self, labels_obj);
     PyArrayObject *inputs = labels ? as_array(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
     if (inputs == NULL) {
         Py_XDECREF(labels);
+        free_policy_config(policy, policy_config);
         return NULL;
     }
     const int64_t N = PyArray_DIM(labels, 0), Lk = PyArray_DIM(inputs, 1), C = c->width, V = c->vocab;
     const int n_scales = scales_of_tokens(c, Lk);
     PyArrayObject *hidden = NULL, *logits = NULL;
-    PyObject *result = NULL;
+    PyObject *trace = NULL, *result = NULL;
     if (PyArray_DIM(inputs, 0) != N || PyArray_DIM(inputs, 2) != C) {
         PyErr_Format(PyExc_ValueError, "inputs must have shape [%lld, tokens, %lld] (one row per label, width)",
                      (long long)N, (long long)C);
@@ -278,8 +313,11 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args) {
     npy_intp hdims[3] = {(npy_intp)N, (npy_intp)Lk, (npy_intp)C}, ldims[3] = {(npy_intp)N, (npy_intp)Lk, (npy_intp)V};
     hidden = (PyArrayObject *)PyArray_SimpleNew(3, hdims, NPY_FLOAT32);
     logits = hidden ? (PyArrayObject *)PyArray_SimpleNew(3, ldims, NPY_FLOAT32) : NULL;
-    if (logits == NULL || claim(self) < 0)
+    if (logits == NULL || (want_trace && (trace = new_trace(c, N, n_scales)) == NULL) || claim(self) < 0)
         goto done;
+    int32_t *trace_data[MC_VAR_MAX_SCALES] = {0};
+    for (int s = 0; trace != NULL && s < n_scales; s++)
+        trace_data[s] = PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(trace, s));
     mc_err err = {0};
     mc_status st = MC_OK;
     mc_var *var = self->var;
@@ -290,21 +328,36 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args) {
     int64_t max_rows = 0;
     for (int s = 0; s < n_scales; s++)
         max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    static const char no_config = 0;
+    const mc_var_policy_ops *ops = policy ? policy : &mc_var_nocache_policy;
+    mc_var_policy run_policy = {ops, NULL};
     Py_BEGIN_ALLOW_THREADS
     float *host = malloc((size_t)(N * max_rows * (C > V ? C : V)) * sizeof(float));
     if (host == NULL)
         st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the staging buffer of one scale");
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
+    if (st == MC_OK) {
+        mc_var_run_shape shape = {.n_images = N, .cfg_on = 0, .n_seq = N};
+        st = ops->create(var, policy ? policy_config : &no_config, &shape, &run_policy.state, &err);
+    }
     if (st == MC_OK)
         st = mc_var_condition(var, label_data, N, &err);
     for (int s = 0; s < n_scales && st == MC_OK; s++) {
-        const int64_t n = c->patch_nums[s] * c->patch_nums[s], begin = c->scale_begin[s];
+        const int64_t pn = c->patch_nums[s], n = pn * pn, begin = c->scale_begin[s];
+        if (!ops->scale_plan(run_policy.state, s)) {
+            st = mc_fail(&err, MC_ERR_VALUE, "forward_scales: the inputs cover scale %d, which cache policy '%s' "
+                         "skips", s, ops->schema.name);
+            break;
+        }
         for (int64_t b = 0; b < N; b++)
             memcpy(host + b * n * C, in + (b * Lk + begin) * C, (size_t)(n * C) * sizeof(float));
         st = be->ops->upload(be, var->acts.x, host, (size_t)(N * n * C) * sizeof(float), &err);
+        mc_var_scale scale = {.si = s, .n_scales = c->n_scales, .n_seq = N, .pn = pn, .tokens = n, .begin = begin,
+                              .x = var->acts.x, .trace_rows = trace_data[s]};
+        mc_var_transformer_stats stats = {0};
         if (st == MC_OK)
-            st = mc_var_blocks(var, var->acts.x, N, n, begin, &err);
+            st = ops->transformer(run_policy.state, &scale, &stats, &err);
         if (st == MC_OK)
             st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
         for (int64_t b = 0; st == MC_OK && b < N; b++)
@@ -316,6 +369,8 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args) {
         for (int64_t b = 0; st == MC_OK && b < N; b++)
             memcpy(l_out + (b * Lk + begin) * V, host + b * n * V, (size_t)(n * V) * sizeof(float));
     }
+    if (run_policy.state != NULL)
+        ops->free(run_policy.state);
     free(host);
     Py_END_ALLOW_THREADS
     self->busy = 0;
@@ -323,12 +378,14 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args) {
         mcpy_raise(&err);
         goto done;
     }
-    result = Py_BuildValue("(OO)", hidden, logits);
+    result = trace ? Py_BuildValue("(OOO)", hidden, logits, trace) : Py_BuildValue("(OO)", hidden, logits);
 done:
     Py_XDECREF(hidden);
     Py_XDECREF(logits);
+    Py_XDECREF(trace);
     Py_DECREF(labels);
     Py_DECREF(inputs);
+    free_policy_config(policy, policy_config);
     return result;
 }
 
@@ -336,11 +393,25 @@ done:
 static int var_tail_dict(PyObject *d, const void *opaque, void *ctx) {
     (void)ctx;
     const mc_var_step_tail *s = opaque;
-    PyObject *tail = Py_BuildValue("{s:i,s:L,s:L,s:O,s:L,s:L,s:L,s:d}", "scale", s->scale, "patch",
+    /* block_rows: [attention rows, FFN rows] per sequence of every block. */
+    PyObject *blocks = PyList_New((Py_ssize_t)s->depth);
+    for (int64_t i = 0; blocks != NULL && i < s->depth; i++) {
+        const long long attn = s->block_rows ? (long long)s->block_rows[2 * i] : (long long)s->tokens;
+        const long long ffn = s->block_rows ? (long long)s->block_rows[2 * i + 1] : (long long)s->tokens;
+        PyObject *pair = Py_BuildValue("[LL]", attn, ffn);
+        if (pair == NULL) {
+            Py_CLEAR(blocks);
+            break;
+        }
+        PyList_SET_ITEM(blocks, (Py_ssize_t)i, pair);
+    }
+    if (blocks == NULL)
+        return -1;
+    PyObject *tail = Py_BuildValue("{s:i,s:L,s:L,s:O,s:L,s:L,s:L,s:d,s:N}", "scale", s->scale, "patch",
                                    (long long)s->patch, "tokens", (long long)s->tokens, "skipped",
                                    s->skipped ? Py_True : Py_False, "sequences", (long long)s->sequences,
                                    "kv_rows", (long long)s->kv_rows, "sublayer_rows", (long long)s->sublayer_rows,
-                                   "guidance", s->guidance);
+                                   "guidance", s->guidance, "block_rows", blocks);
     int rc = tail == NULL ? -1 : PyDict_Update(d, tail);
     Py_XDECREF(tail);
     return rc;
@@ -517,9 +588,10 @@ static PyMethodDef var_methods[] = {
      "scale_inputs(labels int32 [N] (num_classes = null class), next_maps float32 [N, T, Cvae]) -> inputs "
      "float32 [N, first + T, C]: the input embedding of the scales whose tokens next_maps covers (T = the "
      "tokens of scales 1..k; scale 0 comes from the label)"},
-    {"forward_scales", (PyCFunction)var_forward_scales, METH_VARARGS,
-     "forward_scales(labels int32 [N], inputs float32 [N, L_k, C]) -> (hidden [N, L_k, C], logits [N, L_k, V]): "
-     "the KV-cached scale loop over scales 0..k on the given inputs"},
+    {"forward_scales", (PyCFunction)(void (*)(void))var_forward_scales, METH_VARARGS | METH_KEYWORDS,
+     "forward_scales(labels int32 [N], inputs float32 [N, L_k, C], cache=None, trace=False) -> (hidden [N, L_k, C], "
+     "logits [N, L_k, V]) (trace=True adds per scale int32 [depth, 2, N, n]: the rows each sublayer ran on): the "
+     "KV-cached scale loop over scales 0..k on the given inputs through the cache policy's transformer"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,7 +13,9 @@ typedef enum mc_field_type {
     MC_FIELD_DOUBLE, /* double within [min, max] */
     MC_FIELD_FLOATS, /* float[count], each within [min, max] */
     MC_FIELD_CHOICE, /* int: the index of a string among `choices` ('|'-separated) */
-    MC_FIELD_POLICY  /* mc_policy_ref: another policy of the family, composed (its own field dict) */
+    MC_FIELD_POLICY, /* mc_policy_ref: another policy of the family, composed (its own field dict) */
+    MC_FIELD_DOUBLES /* double[count], each within [min, max] (values a policy must see exactly as
+                        Python's floats, e.g. FastVAR's ratios r with floor(r * L)) */
 } mc_field_type;
 
 typedef struct mc_config_field mc_config_field;
@@ -35,8 +37,8 @@ struct mc_config_field {
     const char *name; /* the Python policy's field name */
     mc_field_type type;
     size_t offset;    /* into the policy's config struct */
-    double min, max;  /* bounds of INT, DOUBLE and FLOATS values */
-    int count;        /* FLOATS: number of entries */
+    double min, max;  /* bounds of INT, DOUBLE, FLOATS and DOUBLES values */
+    int count;        /* FLOATS, DOUBLES: number of entries */
     const char *choices;
     /* POLICY: the family's policy of a name, or NULL. */
     const mc_config_schema *(*lookup)(const char *name);
@@ -46,6 +48,7 @@ struct mc_config_field {
 #define MC_FIELD_INT_AT(st, member, lo, hi) {#member, MC_FIELD_INT, offsetof(st, member), lo, hi, 0, NULL, NULL}
 #define MC_FIELD_DOUBLE_AT(st, member, lo, hi) {#member, MC_FIELD_DOUBLE, offsetof(st, member), lo, hi, 0, NULL, NULL}
 #define MC_FIELD_FLOATS_AT(st, member, n, lo, hi) {#member, MC_FIELD_FLOATS, offsetof(st, member), lo, hi, n, NULL, NULL}
+#define MC_FIELD_DOUBLES_AT(st, member, n, lo, hi) {#member, MC_FIELD_DOUBLES, offsetof(st, member), lo, hi, n, NULL, NULL}
 #define MC_FIELD_CHOICE_AT(st, member, options) {#member, MC_FIELD_CHOICE, offsetof(st, member), 0, 0, 0, options, NULL}
 /* The same, for a member of an embedded struct whose Python name is the
  * member's own name (e.g. head.head_period -> "head_period"). */

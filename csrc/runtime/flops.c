@@ -55,6 +55,11 @@ double mc_var_flops_ffn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t 
     return mc_flops_block_mlp(n_seq * rows, c->width, c->ffn_hidden);
 }
 
+double mc_var_flops_fastvar_block(const mc_var_config *c, int64_t n_seq, int64_t attn_rows, int64_t attn_keys,
+                                  int64_t ffn_rows) {
+    return mc_var_flops_attn_sublayer(c, n_seq, attn_rows, attn_keys) + mc_var_flops_ffn_sublayer(c, n_seq, ffn_rows);
+}
+
 double mc_var_flops_blocks(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys) {
     return (double)c->depth *
            (mc_var_flops_attn_sublayer(c, n_seq, rows, keys) + mc_var_flops_ffn_sublayer(c, n_seq, rows));

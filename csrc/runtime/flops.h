@@ -35,6 +35,13 @@ double mc_var_flops_scale_input(const mc_var_config *c, int64_t n_maps, int64_t 
  * `keys` rows (qkv, proj, q k^T and p v), and its FFN sublayer. */
 double mc_var_flops_attn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys);
 double mc_var_flops_ffn_sublayer(const mc_var_config *c, int64_t n_seq, int64_t rows);
+/* One FastVAR block (var_fastvar.md D8): its attention on attn_rows rows
+ * per sequence (the kept rows at a pruned scale, all rows otherwise)
+ * attending to attn_keys rows (the block's K/V after the append), its FFN
+ * on ffn_rows rows. The pivotal scores, gathers, the area up-sampling of the
+ * cached outputs and the scatter are not counted (no GEMM; Part E's rules). */
+double mc_var_flops_fastvar_block(const mc_var_config *c, int64_t n_seq, int64_t attn_rows, int64_t attn_keys,
+                                  int64_t ffn_rows);
 /* Every block on every row of a scale. */
 double mc_var_flops_blocks(const mc_var_config *c, int64_t n_seq, int64_t rows, int64_t keys);
 /* The head on `rows` rows (all sequences). */

@@ -1,11 +1,12 @@
 /* The registry of VAR cache policies: the binding finds a policy here by the
- * name the Python policy carries. A new policy (FastVAR) adds one line. */
+ * name the Python policy carries. A new policy adds one line. */
 #include <string.h>
 
 #include "var_policy.h"
 
 const mc_var_policy_ops *const mc_var_policies[] = {
     &mc_var_nocache_policy,
+    &mc_var_fastvar_policy,
     NULL,
 };
 

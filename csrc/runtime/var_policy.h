@@ -42,6 +42,12 @@ typedef struct mc_var_scale {
     int64_t tokens; /* pn * pn rows per sequence */
     int64_t begin;  /* the scale's first token in the L-token sequence (= the plain KV length before it) */
     float *x;       /* backend [n_seq, tokens, C]: the scale's input; the last block's output on return */
+    /* Optional (tests: the binding's forward_scales with trace=True), else
+     * NULL: host int32 [depth][2][n_seq][tokens], which the caller fills with
+     * every row (0..tokens-1 for each block, sublayer and sequence). A policy
+     * that runs a sublayer on a subset of rows overwrites that sublayer's
+     * entries: each sequence's rows in ascending order, then -1. */
+    int32_t *trace_rows;
 } mc_var_scale;
 
 /* What a policy's transformer did (telemetry). */
@@ -50,6 +56,10 @@ typedef struct mc_var_transformer_stats {
     int64_t sublayer_rows; /* rows run, summed over every sublayer of every block and sequence */
     int64_t kv_rows;       /* K/V rows per sequence after the scale (the largest over blocks) */
     double flops;          /* runtime/flops.h rules */
+    /* Rows per sequence each sublayer ran on, [depth][2] (attention, FFN),
+     * owned by the policy and valid until its next call; NULL: every block
+     * ran every row (the telemetry then reports `tokens` for each). */
+    const int64_t *block_rows;
 } mc_var_transformer_stats;
 
 typedef struct mc_var_policy_ops {
@@ -86,6 +96,7 @@ const mc_var_policy_ops *mc_var_policy_find(const char *name);
 const mc_config_schema *mc_var_policy_schema(const char *name);
 
 extern const mc_var_policy_ops mc_var_nocache_policy;
+extern const mc_var_policy_ops mc_var_fastvar_policy;
 
 /* The plain transformer of a scale (every block on every row, K/V appended
  * after the scales before it): what NoCache runs at every scale, and what a

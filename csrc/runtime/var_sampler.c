@@ -239,7 +239,7 @@ static mc_status run_step(void *opaque, int si, mc_step_header *header, const vo
     const int64_t B = r->B, S = r->S, V = r->V, Cvae = r->Cvae;
     const int64_t pn = c->patch_nums[si], n = pn * pn, begin = c->scale_begin[si];
     const mc_var_policy *policy = &r->policy;
-    r->tail = (mc_var_step_tail){.scale = si, .patch = pn, .sequences = S};
+    r->tail = (mc_var_step_tail){.scale = si, .patch = pn, .sequences = S, .depth = c->depth};
     *tail = &r->tail;
     header->full = 1;
     header->cache_bytes = (int64_t)policy->ops->cache_bytes(policy->state);
@@ -317,6 +317,7 @@ static mc_status run_step(void *opaque, int si, mc_step_header *header, const vo
     r->tail.tokens = n;
     r->tail.kv_rows = stats.kv_rows;
     r->tail.sublayer_rows = stats.sublayer_rows;
+    r->tail.block_rows = stats.block_rows;
     r->tail.guidance = t;
     return MC_OK;
 }

@@ -25,6 +25,10 @@ typedef struct mc_var_step_tail {
     int64_t sequences;     /* B' sequences through the transformer */
     int64_t kv_rows;       /* K/V rows per sequence after the scale */
     int64_t sublayer_rows; /* rows run, summed over sublayers, blocks and sequences */
+    int64_t depth;         /* blocks (entries of block_rows) */
+    const int64_t *block_rows; /* [depth][2] rows per sequence of each block's attention and FFN
+                                  (the policy's, valid during the step's telemetry); NULL: `tokens`
+                                  for every one (0 when skipped) */
     double guidance;       /* t of the guided logits (1 + t) c - t u; 0 without CFG */
 } mc_var_step_tail;
 

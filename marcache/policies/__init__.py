@@ -6,6 +6,7 @@ classes: every policy class names the model family it runs on (``family``), and 
 model resolves a user's ``cache=`` argument with ``resolve(cache, family)``, which
 refuses a policy of another family with a clear error. A new policy is one module
 here (plus its C file), registered in POLICIES."""
+from .fastvar import FastVAR
 from .lazymar import RETENTION_64, LazyMAR
 from .marche import MARche
 from .nocache import NoCache
@@ -14,7 +15,7 @@ POLICIES = (NoCache, LazyMAR, MARche)
 
 from .cfgfree import CfgFreeLate  # noqa: E402  (composes the policies above)
 
-POLICIES += (CfgFreeLate,)
+POLICIES += (CfgFreeLate, FastVAR)
 
 
 def resolve(cache, family="mar"):
@@ -31,4 +32,4 @@ def resolve(cache, family="mar"):
     raise TypeError(f"cache must be None or one of {names}, got {cache!r}")
 
 
-__all__ = ["NoCache", "LazyMAR", "MARche", "CfgFreeLate", "RETENTION_64", "POLICIES", "resolve"]
+__all__ = ["NoCache", "LazyMAR", "MARche", "CfgFreeLate", "FastVAR", "RETENTION_64", "POLICIES", "resolve"]

@@ -1,9 +1,12 @@
 /* Row-wise CPU ops. Each keeps the plain loop as its reference form; the
  * loops are written so GCC vectorises them and OpenMP splits rows. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../../core/philox.h"
+#include "../op_checks.h"
+#include "../sampling_inline.h"
 #include "cpu_internal.h"
 
 /* Below this many elements an op runs on one thread: waking the team costs
@@ -311,5 +314,69 @@ mc_status mc_cpu_head_l2norm(mc_backend *be, float *x, int64_t ld, int64_t rows,
                 v[i] = (float)((double)v[i] / denom * s);
         }
     }
+    return MC_OK;
+}
+
+/* ---- pivotal_rows (FastVAR, ops_list.h) ---- */
+
+typedef struct pivotal_entry {
+    double score;
+    int64_t row;
+} pivotal_entry;
+
+/* The selection order of the contract (sampling_inline.h): a strict total
+ * order, so qsort's result does not depend on its algorithm. */
+static int pivotal_compare(const void *pa, const void *pb) {
+    const pivotal_entry *a = pa, *b = pb;
+    if (mc_pivotal_before(a->score, a->row, b->score, b->row))
+        return -1;
+    return mc_pivotal_before(b->score, b->row, a->score, a->row) ? 1 : 0;
+}
+
+mc_status mc_cpu_pivotal_rows(mc_backend *be, const float *x, int64_t ldx, int64_t batch, int64_t rows,
+                              int64_t dim, int64_t keep, int32_t *out, mc_err *err) {
+    (void)be;
+    MC_TRY(mc_check_pivotal_rows(ldx, batch, rows, dim, keep, err));
+    if (batch == 0 || keep == 0)
+        return MC_OK;
+    double *mean = malloc((size_t)(dim > 0 ? dim : 1) * sizeof(double));
+    pivotal_entry *order = malloc((size_t)rows * sizeof(pivotal_entry));
+    unsigned char *kept = malloc((size_t)rows);
+    if (mean == NULL || order == NULL || kept == NULL) {
+        free(mean);
+        free(order);
+        free(kept);
+        return mc_fail(err, MC_ERR_NOMEM, "pivotal_rows: cannot allocate the scores of %lld rows", (long long)rows);
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        const float *xb = x + b * rows * ldx;
+        /* The mean token, each channel summed in row order (the CUDA kernel's order too). */
+        for (int64_t c = 0; c < dim; c++)
+            mean[c] = 0.0;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < dim; c++)
+                mean[c] += (double)xb[r * ldx + c];
+        for (int64_t c = 0; c < dim; c++)
+            mean[c] /= (double)rows;
+        for (int64_t r = 0; r < rows; r++) {
+            double score = 0.0;
+            for (int64_t c = 0; c < dim; c++) {
+                const double d = (double)xb[r * ldx + c] - mean[c];
+                score += d * d;
+            }
+            order[r] = (pivotal_entry){score, r};
+        }
+        qsort(order, (size_t)rows, sizeof *order, pivotal_compare);
+        memset(kept, 0, (size_t)rows);
+        for (int64_t j = 0; j < keep; j++)
+            kept[order[j].row] = 1;
+        int32_t *ob = out + b * keep;
+        for (int64_t r = 0, n = 0; r < rows; r++)
+            if (kept[r])
+                ob[n++] = (int32_t)(b * rows + r);
+    }
+    free(mean);
+    free(order);
+    free(kept);
     return MC_OK;
 }

@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "../../core/philox_inline.h"
+#include "../sampling_inline.h"
 #include "cuda_internal.h"
 
 /* ---- layernorm ----------------------------------------------------------- */
@@ -366,5 +367,98 @@ mc_status mc_cuda_head_l2norm(mc_backend *be, float *x, int64_t ld, int64_t rows
     head_l2norm_kernel<<<mc_cuda_blocks(rows * heads, HL2_WARPS), 32 * HL2_WARPS, 0,
                          cuda_st(be)->stream>>>(x, ld, rows, heads, head_dim, head_scale);
     MC_CUDA_LAUNCHED("head_l2norm_kernel", err);
+    return MC_OK;
+}
+
+/* ---- pivotal_rows (FastVAR) ----------------------------------------------- */
+
+/* Four passes over scratch: the mean token (one thread per sequence and
+ * channel, rows summed in order), the scores (one thread per row, channels
+ * in order, products and sums rounded separately: the CPU's arithmetic, so
+ * equal inputs give equal scores and the same selection), the kept flags
+ * (one thread per row counts the rows before it in mc_pivotal_before's
+ * order) and the compaction (each kept row counts the kept rows of lower
+ * index). The last two are O(rows^2) per sequence: a few hundred to a few
+ * thousand rows per scale, no sort needed. */
+__global__ void pivotal_mean_kernel(const float *x, int64_t ldx, int64_t batch, int64_t rows, int64_t dim,
+                                    double *mean) {
+    MC_GRID_STRIDE_LOOP(i, batch * dim) {
+        const int64_t b = i / dim, c = i % dim;
+        const float *xc = x + b * rows * ldx + c;
+        double sum = 0.0;
+        for (int64_t r = 0; r < rows; r++)
+            sum = __dadd_rn(sum, (double)xc[r * ldx]);
+        mean[i] = sum / (double)rows;
+    }
+}
+
+__global__ void pivotal_score_kernel(const float *x, int64_t ldx, int64_t batch, int64_t rows, int64_t dim,
+                                     const double *mean, double *score) {
+    MC_GRID_STRIDE_LOOP(i, batch * rows) {
+        const float *xr = x + i * ldx;
+        const double *m = mean + (i / rows) * dim;
+        double sum = 0.0;
+        for (int64_t c = 0; c < dim; c++) {
+            const double d = __dsub_rn((double)xr[c], m[c]);
+            sum = __dadd_rn(sum, __dmul_rn(d, d));
+        }
+        score[i] = sum;
+    }
+}
+
+__global__ void pivotal_keep_kernel(const double *score, int64_t batch, int64_t rows, int64_t keep,
+                                    unsigned char *kept) {
+    MC_GRID_STRIDE_LOOP(i, batch * rows) {
+        const int64_t r = i % rows;
+        const double *sb = score + (i - r);
+        int64_t before = 0;
+        for (int64_t s = 0; s < rows && before < keep; s++)
+            before += mc_pivotal_before(sb[s], s, sb[r], r);
+        kept[i] = before < keep;
+    }
+}
+
+__global__ void pivotal_compact_kernel(const unsigned char *kept, int64_t batch, int64_t rows, int64_t keep,
+                                       int32_t *out) {
+    MC_GRID_STRIDE_LOOP(i, batch * rows) {
+        if (!kept[i])
+            continue;
+        const int64_t r = i % rows, b = i / rows;
+        int64_t n = 0;
+        for (int64_t s = i - r; s < i; s++)
+            n += kept[s];
+        if (n < keep) /* always (exactly keep rows are kept); guards the write */
+            out[b * keep + n] = (int32_t)i;
+    }
+}
+
+mc_status mc_cuda_pivotal_rows(mc_backend *be, const float *x, int64_t ldx, int64_t batch, int64_t rows,
+                               int64_t dim, int64_t keep, int32_t *out, mc_err *err) {
+    MC_TRY(mc_check_pivotal_rows(ldx, batch, rows, dim, keep, err));
+    if (batch == 0 || keep == 0)
+        return MC_OK;
+    MC_TRY(mc_cuda_enter(be, err));
+    /* scratch: mean [batch, dim] and score [batch * rows] doubles, then the flags */
+    const size_t mean_bytes = (size_t)(batch * dim) * sizeof(double);
+    const size_t score_bytes = (size_t)(batch * rows) * sizeof(double);
+    char *scratch = (char *)mc_cuda_scratch(be, MC_CUDA_SLOT_STATS, mean_bytes + score_bytes + (size_t)(batch * rows),
+                                            err);
+    if (scratch == NULL)
+        return err->status;
+    double *mean = (double *)scratch, *score = (double *)(scratch + mean_bytes);
+    unsigned char *kept = (unsigned char *)(scratch + mean_bytes + score_bytes);
+    cudaStream_t stream = cuda_st(be)->stream;
+    if (dim > 0) {
+        pivotal_mean_kernel<<<mc_cuda_blocks(batch * dim, MC_CUDA_THREADS), MC_CUDA_THREADS, 0, stream>>>(
+            x, ldx, batch, rows, dim, mean);
+        MC_CUDA_LAUNCHED("pivotal_mean_kernel", err);
+    }
+    const unsigned blocks = mc_cuda_blocks(batch * rows, MC_CUDA_THREADS);
+    pivotal_score_kernel<<<blocks, MC_CUDA_THREADS, 0, stream>>>(x, ldx, batch, rows, dim, mean, score);
+    MC_CUDA_LAUNCHED("pivotal_score_kernel", err);
+    pivotal_keep_kernel<<<blocks, MC_CUDA_THREADS, 0, stream>>>(score, batch, rows, keep, kept);
+    MC_CUDA_LAUNCHED("pivotal_keep_kernel", err);
+    pivotal_compact_kernel<<<blocks, MC_CUDA_THREADS, 0, stream>>>(kept, batch, rows, keep, out);
+    MC_CUDA_LAUNCHED("pivotal_compact_kernel", err);
     return MC_OK;
 }
