@@ -289,7 +289,8 @@ def _cmd_demo(args):
         if not isinstance(cache, mc.NoCache):
             policies.append((type(cache).__name__, cache))
     rows, reference = run(out=args.out, per_class=args.per_class, steps=args.steps, cfg=args.cfg, seed=args.seed,
-                          threads=args.threads, quiet=args.quiet, policies=policies, var=not args.no_var)
+                          threads=args.threads, quiet=args.quiet, policies=policies,
+                          var=policies is None and not args.no_var)  # --cache compares one policy with NoCache
     if args.quiet:  # the result, without the running commentary
         from .demo import format_table
 
@@ -485,7 +486,7 @@ def main(argv=None):
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--threads", type=int, default=0)
     m.add_argument("--quiet", action="store_true", help="print only the table")
-    m.add_argument("--no-var", action="store_true", help="leave the digits VAR out (MAR policies only)")
+    m.add_argument("--no-var", action="store_true", help="leave the digits VAR out (MAR policies only; --cache leaves it out too)")
     _add_cache_arguments(m)
     m.set_defaults(func=_cmd_demo)
 
