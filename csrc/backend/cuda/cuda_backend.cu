@@ -426,13 +426,13 @@ static void cuda_free_state(cuda_state *st) {
             (void)mc_cublas.destroy(st->blas);
         if (st->blas_workspace != NULL)
             (void)cudaFree(st->blas_workspace);
-        /* The stream was waited for above: this backend's cached blocks are
-         * anyone's now; the last backend on the device gives the pool's
-         * memory back to the device. */
-        mc_devpool_leave(st->pool_owner);
         if (st->stream != NULL)
             (void)cudaStreamDestroy(st->stream);
     }
+    /* The stream was waited for above (or the device is unusable): this
+     * backend's cached blocks are anyone's now; the last backend on the
+     * device gives the pool's memory back to the device. */
+    mc_devpool_leave(st->pool_owner);
     (void)cudaGetLastError();
     free(st->deferred_free);
     free(st);
@@ -483,6 +483,7 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     cudaDeviceProp prop;
     MC_CUDA_TRY(cudaGetDeviceProperties(&prop, device_index), err);
     st->total_mem = prop.totalGlobalMem;
+    st->smem_per_block_optin = prop.sharedMemPerBlockOptin;
 
     MC_TRY(mc_devpool_join(&DEVICE_RAW, (void *)(intptr_t)device_index, device_index, &STREAM_OPS,
                            st, &st->pool_owner, err));

@@ -71,6 +71,7 @@ typedef struct cuda_state {
     int deferred_capacity;
     void *blas_workspace; /* explicit cuBLAS workspace: recordable GEMMs */
     size_t total_mem; /* the device's global memory, for requests that can never fit */
+    size_t smem_per_block_optin; /* the most dynamic shared memory a kernel may opt in to */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
     size_t scratch_bytes[MC_CUDA_SCRATCH_SLOTS];
     /* Row faults of the sampling ops (a row of logits with NaN, +inf or no
