@@ -1,6 +1,8 @@
-/* The CUDA backend: creation and teardown, device memory (a stream-ordered
- * pool), host <-> device copies, grow-only scratch, error helpers, the
- * run-time facts build_info() reports, and the op table.
+/* The CUDA backend: creation and teardown, device memory (its membership of
+ * the device's shared caching allocator, backend/devpool.h, over cudaMalloc /
+ * cudaFree), host <-> device copies, grow-only scratch, error helpers, the
+ * run-time facts build_info() reports, and the op table. cuBLAS is loaded
+ * by cuda_cublas.cu when the first backend is made.
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle bound
  * to that stream. Every op is enqueued on the stream; only download and
