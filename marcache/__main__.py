@@ -321,7 +321,7 @@ def _cmd_sample(args):
     labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
     chunks = chunk_plan(args.n, args.batch_size, args.chunk_size)
     store = PartStore(out, run_settings(model, args.n, args.per_class, args.seed, args.batch_size, chunks, cache,
-                                        settings), restart=args.restart)
+                                        settings, threads=args.threads), restart=args.restart)
     todo = store.pending(chunks)
     resumed = args.n - sum(c.size for c in todo)
     if resumed and not args.quiet:
@@ -360,7 +360,7 @@ def _cmd_sample_ray(args):
     address = None if args.ray == "local" else args.ray
     executor = distributed.RayExecutor(address=address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                                        threads_per_worker=args.threads, max_retries=args.max_retries)
-    spec = distributed.ModelSpec(_model_path(args.model), vae=args.vae, dtype=args.dtype)
+    spec = distributed.ModelSpec(_model_path(args.model), vae_path=args.vae, dtype=args.dtype)
     settings = _generation_settings(args, spec.family(), args.model)
     if args.fid is not None:
         if args.inception is None:

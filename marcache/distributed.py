@@ -485,8 +485,9 @@ class RayExecutor:
         store = None
         if out is not None:
             chunks = chunk_plan(n, batch_size, self.chunk_images)
+            _, threads, device = self._layout(ray)
             store = PartStore(out, run_settings(spec, n, per_class, seed, batch_size, chunks, cache, settings,
-                                                device=self._layout(ray)[2]), restart=restart)
+                                                device=device, threads=threads), restart=restart)
             if store.done:
                 raise ValueError(f"{store.dir} holds images of an unfinished run: FID needs every image's features; "
                                  f"rerun with --restart, or finish it without --fid and run fid on the file")
@@ -510,8 +511,9 @@ class RayExecutor:
             self.chunk_images = chunk_images
         ray = self._connect()
         chunks = chunk_plan(n, batch_size, self.chunk_images)
+        _, threads, device = self._layout(ray)
         store = PartStore(out, run_settings(spec, n, per_class, seed, batch_size, chunks, cache, settings,
-                                            device=self._layout(ray)[2]), restart=restart)
+                                            device=device, threads=threads), restart=restart)
         todo = store.pending(chunks)
         if todo:
             pool, new_worker, _ = self._start(ray, spec, None)
