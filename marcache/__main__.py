@@ -342,6 +342,11 @@ def _cmd_sample(args):
         for chunk in todo:
             store.write_chunk(chunk, batches(chunk))
             store.mark_done(chunk)
+    except KeyboardInterrupt:
+        done = args.n - sum(c.size for c in store.pending(chunks))
+        print(f"{done} of {args.n} images are kept in {store.dir}: run the same command again to resume",
+              file=sys.stderr)
+        raise
     finally:
         bar.close()
     store.assemble(chunks)

@@ -321,6 +321,7 @@ class RayExecutor:
         self.init_kwargs = dict(init_kwargs or {})
         self._exit_at = _exit_at  # test hook: marcache.chunks.EXIT_HOOK_ENV's format, for the first worker's task
         self.workers = workers
+        self.worker_pids = []  # process ids of the workers first started (a local cluster's)
         self.last_run = {}
 
     # -- Ray ----------------------------------------------------------------
@@ -353,7 +354,7 @@ class RayExecutor:
 
         pool = [new_worker() for _ in range(workers)]
         try:
-            ray.get([w.ready.remote() for w in pool])
+            self.worker_pids = ray.get([w.ready.remote() for w in pool])
         except ray.exceptions.RayActorError as exc:
             for w in pool:
                 ray.kill(w)

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -196,3 +197,36 @@ def test_sample_npz_equals_single_process_cli(ray_session, tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert cli.read_bytes() == single.read_bytes()
     assert f"FID: {tiny['single'].fid:.4f}" in proc.stdout
+
+
+def test_ctrl_c_on_the_driver_kills_the_workers(ray_session, tiny, monkeypatch):
+    """A KeyboardInterrupt in the driver's wait loop (raised from ray.wait at its first
+    call: deterministic, no signal timing) propagates, and the worker processes end."""
+    real_wait = ray_session.wait
+
+    def interrupted(*args, **kwargs):
+        real_wait(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray_session, "wait", interrupted)
+    executor = _executor(2, 1)
+    with pytest.raises(KeyboardInterrupt):
+        executor.images(dist.ModelSpec.from_model(tiny["model"]), mc.NoCache(), N, PER_CLASS, batch_size=BATCH,
+                        **SETTINGS)
+    monkeypatch.undo()
+    assert len(executor.worker_pids) == 2
+    deadline = time.monotonic() + 60
+    alive = list(executor.worker_pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.2)
+    assert not alive, f"worker processes {alive} still run after Ctrl-C"
+
+
+def _running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended
+        return f.read().split(")")[-1].split()[0] != "Z"
