@@ -27,9 +27,9 @@ all images is the same for every partition of the index set and every order of
 adding the parts, and each image's own term is the same bits in every plan (same
 batches, same network, same float64 conversion). In float64 the only difference is
 the rounding of the additions, about 1e-16 of the sums' size per addition: the
-merged mean and covariance of 1, 2 or 3 shards of uneven size agree to about 1e-15
-relative, and FID to far below the two decimals it is reported with
-(tests/test_distributed.py checks 1e-12 and 1e-9 against a single process).
+merged mean and covariance of 1, 2 or 3 shards of uneven size agree with a single
+process's to 1e-12 relative and FID to 1e-9 (tests/test_distributed.py), far below the
+two decimals FID is reported with.
 
 Faults: a worker that dies (the process exits, the node goes away) loses its shard
 only: the driver starts a new worker and reruns that shard, at most `max_retries`
