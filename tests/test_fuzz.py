@@ -1,0 +1,154 @@
+"""The fuzz corpus (issue 18): >= 1,000 malformed safetensors files and >= 200 malformed or
+malicious torch.save files, generated from a fixed seed at test time (tests/fuzz/), each fed
+to the public entry points in a child process.
+
+For every file: a clean Python exception of an expected type with a message (a crash of the
+child fails the test naming the case's index and seed, which `python -m fuzz.runner CORPUS
+--seed S --only I` replays), no hang (a bound per file and per corpus, generous for a loaded
+2-core machine), nothing executed (the canary file and environment variable the malicious
+pickles would create stay absent, and no allowlisted object of the unpickler changes), and
+no output left behind by a refused conversion (no DST, no DST.partial).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import marcache
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SEED = 18
+SAFETENSORS_FILES = 1050
+TORCH_FILES = 264
+PER_FILE_SECONDS = 30.0      # the slowest case measured takes well under a second
+CORPUS_SECONDS = 480.0       # the whole corpus: about a minute on the loaded 2-core machine
+
+# What each entry point may raise for a malformed file: the reader's and loaders' ValueError
+# (CheckpointError is one) and KeyError (a missing tensor, named). Anything else (TypeError,
+# IndexError, RecursionError, a bare MemoryError, SystemError...) is a bug.
+SAFETENSORS_ERRORS = {"ValueError", "KeyError"}
+
+
+def _child_env():
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(marcache.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, package_root])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_corpus(corpus, count, directory):
+    """Runs the corpus in a child; returns (records, seconds). A child that dies or hangs
+    fails the test with the case it was running."""
+    cmd = [sys.executable, "-m", "fuzz.runner", corpus, "--seed", str(SEED), "--count", str(count),
+           "--dir", str(directory)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=TESTS_DIR, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=CORPUS_SECONDS)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        timed_out = True
+    seconds = time.perf_counter() - t0
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    records = [r for r in lines if "calls" in r]
+    started = [r for r in lines if "start" in r]
+    finished = bool(lines) and lines[-1].get("done") is True
+    if not finished:
+        last = started[-1] if started else None
+        replay = f"python -m fuzz.runner {corpus} --seed {SEED} --only {last['start']} --dir DIR" if last else ""
+        how = f"ran past {CORPUS_SECONDS:.0f} s" if timed_out else f"ended with status {proc.returncode}"
+        pytest.fail(f"the {corpus} fuzz child {how} during case {last} (seed {SEED}); replay: {replay}\n"
+                    f"stderr:\n{err[-3000:]}")
+    return records, seconds
+
+
+def _where(record):
+    return (f"case {record['index']} ({record['mutation']}{'/' + record['detail'] if 'detail' in record else ''}"
+            f"{'/' + record['role'] if 'role' in record else ''}, seed {SEED})")
+
+
+def _check_calls(record, allowed, problems):
+    for call in record["calls"]:
+        if call["seconds"] > PER_FILE_SECONDS:
+            problems.append(f"{_where(record)}: {call['call']} took {call['seconds']:.1f} s")
+        if call["ok"]:
+            continue
+        if call["kind"] != "raised" or not (set(call["mro"]) & allowed):
+            problems.append(f"{_where(record)}: {call['call']} raised {call['type']}: {call['msg'][:300]}")
+        elif len(call["msg"].strip()) < 10:
+            problems.append(f"{_where(record)}: {call['call']} raised {call['type']} without a message")
+
+
+def _report(problems, corpus):
+    if problems:
+        head = "\n".join(problems[:25])
+        pytest.fail(f"{len(problems)} problems in the {corpus} corpus (seed {SEED}):\n{head}")
+
+
+def test_safetensors_corpus(tmp_path):
+    records, seconds = run_corpus("safetensors", SAFETENSORS_FILES, tmp_path)
+    assert [r["index"] for r in records] == list(range(SAFETENSORS_FILES))
+    problems = []
+    for r in records:
+        _check_calls(r, SAFETENSORS_ERRORS, problems)
+        calls = {c["call"]: c for c in r["calls"]}
+        if calls["load"]["ok"]:
+            problems.append(f"{_where(r)}: marcache.load accepted the malformed file")
+        if r["expect"] == "reader":
+            for name in ("info", "read"):
+                if calls[name]["ok"]:
+                    problems.append(f"{_where(r)}: safetensors_{name} accepted the malformed file")
+                elif r["path"] not in calls[name]["msg"]:
+                    problems.append(f"{_where(r)}: the {name} error does not name the file: {calls[name]['msg'][:200]}")
+    _report(problems, "safetensors")
+    by_reader = sum(r["expect"] == "reader" for r in records)
+    print(f"\nsafetensors fuzz corpus: {len(records)} files ({by_reader} refused by the reader, "
+          f"{len(records) - by_reader} by the loaders), {seconds:.1f} s")
+    assert len(records) >= 1000
+
+
+def test_torch_corpus(tmp_path):
+    from fuzz.torch_corpus import CANARY_ENV
+
+    records, seconds = run_corpus("torch", TORCH_FILES, tmp_path)
+    assert [r["index"] for r in records] == list(range(TORCH_FILES))
+    problems = []
+    for r in records:
+        _check_calls(r, {"CheckpointError", "ValueError"}, problems)
+        convert, load = r["calls"]
+        if r["executed"]:
+            problems.append(f"{_where(r)}: the payload ran (canary file or {CANARY_ENV} appeared)")
+        if r["tampered"]:
+            problems.append(f"{_where(r)}: an allowlisted object of the unpickler was changed")
+        if r["left_behind"]:
+            problems.append(f"{_where(r)}: a refused conversion left {r['left_behind']}")
+        if load["ok"]:
+            problems.append(f"{_where(r)}: marcache.load accepted a torch.save file")
+        want, global_name = r["expect"]
+        if want == "any" and (convert["ok"] or "CheckpointError" in convert["mro"]):
+            continue
+        if convert["ok"]:
+            problems.append(f"{_where(r)}: convert accepted the file")
+        elif "CheckpointError" not in convert["mro"]:
+            problems.append(f"{_where(r)}: convert raised {convert['type']}, not a CheckpointError")
+        elif r["path"] not in convert["msg"]:
+            problems.append(f"{_where(r)}: the error does not name the file: {convert['msg'][:200]}")
+        elif want == "unsafe" and ("UnsafeCheckpointError" not in convert["mro"]
+                                   or f"'{global_name}'" not in convert["msg"].replace("\n", "\\n")):
+            problems.append(f"{_where(r)}: not refused as the unsafe global {global_name!r}: "
+                            f"{convert['type']}: {convert['msg'][:200]}")
+    assert not os.path.exists(tmp_path / "canary_pwned") and CANARY_ENV not in os.environ
+    _report(problems, "torch")
+    kinds = {}
+    for r in records:
+        kinds[r["mutation"]] = kinds.get(r["mutation"], 0) + 1
+    print(f"\ntorch.save fuzz corpus: {len(records)} files ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}),"
+          f" {seconds:.1f} s")
+    assert len(records) >= 200
