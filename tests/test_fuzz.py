@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import marcache
@@ -152,3 +153,123 @@ def test_torch_corpus(tmp_path):
     print(f"\ntorch.save fuzz corpus: {len(records)} files ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}),"
           f" {seconds:.1f} s")
     assert len(records) >= 200
+
+
+# ----- what the corpus found, one case each ---------------------------------------------------
+# Each of these failed before the fix named in its docstring (found by the corpus above).
+
+def _zip_with(tmp_path, payload, **kwargs):
+    from fuzz.torch_corpus import zip_file
+
+    path = tmp_path / "case.pth"
+    path.write_bytes(zip_file(payload, {}, **kwargs))
+    return path
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"\x80\x02]r\x00\x00\x00\x80}.", r"memo entry 2147483648 at byte 3, after only 3 opcodes"),
+    (b"\x80\x02]p1000000000000000000\n0}.", r"memo entry 1000000000000000000"),
+    (b"\x80\x02\x8e\x00\x00\x00\x00\x00\x00\x00\x40abc.", r"not a valid pickle: expected 4611686018427387904 bytes"),
+    (b"\x80\x02" + b"(" * 10000 + b")" + b"t" * 9999 + b"Q.", r"unexpected persistent id \(\(\(\(\.\.\.\),\),\),\)"),
+])
+def test_hostile_pickles_are_refused_before_the_unpickler_allocates(tmp_path, payload, message):
+    """A memo index or length of 2**31..2**62 made the C unpickler allocate that much
+    (MemoryError without a message, or a machine swapping); a deeply nested persistent id
+    made the error message itself a RecursionError. Now: a CheckpointError naming the file."""
+    from marcache import convert as conv
+
+    path = _zip_with(tmp_path, payload)
+    with pytest.raises(conv.CheckpointError, match=message) as info:
+        conv.read_checkpoint(path)
+    assert str(path) in str(info.value) and len(str(info.value)) < 2000
+
+
+def test_damaged_or_unreadable_zip_records_are_checkpoint_errors(tmp_path):
+    """A deflated byteorder record with a broken stream raised zlib.error; an unknown
+    compression method NotImplementedError; both escaped convert()."""
+    import zipfile
+
+    from marcache import convert as conv
+
+    path = tmp_path / "bad.pth"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("a/data.pkl", b"\x80\x02}.")
+        z.writestr("a/byteorder", b"little", compress_type=zipfile.ZIP_DEFLATED)
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b"a/byteorder") + len(b"a/byteorder")] ^= 0xFF      # first byte of the deflate stream
+    path.write_bytes(bytes(raw))
+    with pytest.raises(conv.CheckpointError, match=r"cannot read record 'a/byteorder'"):
+        conv.read_checkpoint(path)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("a/data.pkl", b"\x80\x02}.")
+    raw = bytearray(path.read_bytes())
+    for sig, at in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):           # method 99 in both headers
+        i = raw.index(sig) + at
+        raw[i:i + 2] = (99).to_bytes(2, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(conv.CheckpointError, match=r"cannot read record 'a/data.pkl': NotImplementedError"):
+        conv.read_checkpoint(path)
+
+
+def test_a_zip_bomb_pickle_is_refused_before_it_is_inflated(tmp_path):
+    import zipfile
+
+    from marcache import convert as conv
+
+    path = _zip_with(tmp_path, b"\x80\x02}" + b"N0" * (33 << 20) + b".", compress=zipfile.ZIP_DEFLATED)
+    assert path.stat().st_size < 1 << 20
+    t0 = time.perf_counter()
+    with pytest.raises(conv.CheckpointError, match=r"holds 69206020 bytes, more than the 67108864"):
+        conv.read_checkpoint(path)
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("target", ["torch._utils\n_rebuild_tensor_v2", "argparse\nNamespace", "torch\ndevice",
+                                    "_codecs\nencode", "copyreg\n_reconstructor"])
+def test_build_cannot_change_allowlisted_functions_and_classes(tmp_path, target):
+    """BUILD with slot state on an allowlisted function set e.g. its __defaults__, and on
+    argparse.Namespace or torch.device replaced methods, for every later load in the
+    process (the corpus's allowlist fingerprint changed). Now refused, nothing changed."""
+    import argparse
+
+    from marcache import convert as conv
+
+    before = (conv.unpickler._rebuild_tensor_v2.__defaults__, dict(vars(argparse.Namespace)),
+              dict(vars(conv.TorchDevice)), conv.unpickler._codecs_encode.__defaults__)
+    payload = (b"\x80\x02c" + target.encode() + b"\nN}X\x0c\x00\x00\x00__defaults__)s\x86b0}.")
+    with pytest.raises(conv.CheckpointError, match=r"tries to (modify|set)"):
+        conv.read_checkpoint(_zip_with(tmp_path, payload))
+    assert before == (conv.unpickler._rebuild_tensor_v2.__defaults__, dict(vars(argparse.Namespace)),
+                      dict(vars(conv.TorchDevice)), conv.unpickler._codecs_encode.__defaults__)
+
+
+def test_a_nul_inside_a_dtype_is_refused(tmp_path):
+    """The dtype was compared as a C string, so "F32\\u0000junk" passed for F32."""
+    from marcache import _C
+
+    header = b'{"x":{"dtype":"F32\\u0000junk","shape":[1],"data_offsets":[0,4]}}'
+    path = tmp_path / "nul.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match=r"tensor 'x': 'dtype' contains a NUL character \(after 'F32'\)"):
+        _C.safetensors_info(str(path))
+
+
+@pytest.mark.parametrize("key, zero_dim, what", [("word_embed.weight", 1, "latent channel count"),
+                                                 ("head.weight", 0, "vocabulary")])
+def test_a_var_with_an_empty_size_is_refused(tmp_path, key, zero_dim, what):
+    """word_embed.weight [128, 0] (no latent channels) loaded as a VAR: sizes read from
+    shapes are now at least 1."""
+    from safetensors.numpy import save_file
+
+    from var_fixtures import write_tiny_var
+
+    W = write_tiny_var(tmp_path / "ok.safetensors")
+    shape = list(W[key].shape)
+    shape[zero_dim] = 0
+    W[key] = np.zeros(shape, np.float32)
+    if key == "head.weight":
+        W["head.bias"] = np.zeros(0, np.float32)
+    path = tmp_path / "zero.safetensors"
+    save_file(W, str(path), metadata={"kind": "var", "patch_nums": "1,2,3,4"})
+    with pytest.raises(ValueError, match=rf"the {what} read from '{key}' is 0; it must be at least 1"):
+        marcache.load(path)
