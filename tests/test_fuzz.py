@@ -273,3 +273,19 @@ def test_a_var_with_an_empty_size_is_refused(tmp_path, key, zero_dim, what):
     save_file(W, str(path), metadata={"kind": "var", "patch_nums": "1,2,3,4"})
     with pytest.raises(ValueError, match=rf"the {what} read from '{key}' is 0; it must be at least 1"):
         marcache.load(path)
+
+
+@pytest.mark.parametrize("config, what, key", [(dict(dim=0, heads=1), "width", "class_emb.weight"),
+                                               (dict(head_width=0), "head width", "diffloss.net.input_proj.weight")])
+def test_a_mar_with_an_empty_size_is_refused(tmp_path, config, what, key):
+    """A consistent MAR file of width 0 (or head width 0) loaded and "generated" tokens
+    (found by probing degenerate configurations beside the corpus): sizes read from shapes
+    are now at least 1."""
+    from mar_fixtures import write_tiny_mar
+
+    kwargs = dict(dim=16, depth=1, head_width=16, head_depth=1, num_classes=10, heads=2)
+    kwargs.update(config)
+    path = tmp_path / "zero.safetensors"
+    write_tiny_mar(path, **kwargs)
+    with pytest.raises(ValueError, match=rf"the {what} read from '{key}' is 0; it must be at least 1"):
+        marcache.load(path)

@@ -223,19 +223,11 @@ static mc_status read_config(mc_loader *ld, mc_var_config *c) {
     c->head_dim = c->width / c->heads;
     MC_TRY(shape_of(ld, "blocks.0.ffn.fc1.weight", 2, shape));
     c->ffn_hidden = shape[0];
-    /* A zero read from a shape would give empty buffers and empty loops (a vocabulary of 0
-     * has no token to sample), not a model: refuse it by name. */
-    const struct {
-        const char *what, *key;
-        int64_t value;
-    } sizes[] = {{"width", "class_emb.weight", c->width},
-                 {"latent channel count", "word_embed.weight", c->vae_channels},
-                 {"vocabulary", "head.weight", c->vocab},
-                 {"FFN hidden size", "blocks.0.ffn.fc1.weight", c->ffn_hidden}};
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
-        if (sizes[i].value < 1)
-            return mc_fail(err, MC_ERR_VALUE, "%s: the %s read from '%s' is %lld; it must be at least 1",
-                           file->path, sizes[i].what, sizes[i].key, (long long)sizes[i].value);
+    const mc_shape_size sizes[] = {{"width", "class_emb.weight", c->width},
+                                   {"latent channel count", "word_embed.weight", c->vae_channels},
+                                   {"vocabulary", "head.weight", c->vocab},
+                                   {"FFN hidden size", "blocks.0.ffn.fc1.weight", c->ffn_hidden}};
+    MC_TRY(mc_loader_check_sizes(ld, sizes, sizeof sizes / sizeof sizes[0]));
 
     const char *meta = mc_st_metadata(file, "patch_nums");
     const char *text = meta != NULL ? meta : MC_VAR_DEFAULT_PATCH_NUMS;
