@@ -289,3 +289,24 @@ def test_a_mar_with_an_empty_size_is_refused(tmp_path, config, what, key):
     write_tiny_mar(path, **kwargs)
     with pytest.raises(ValueError, match=rf"the {what} read from '{key}' is 0; it must be at least 1"):
         marcache.load(path)
+
+
+def test_the_canary_sees_a_payload_that_runs(tmp_path):
+    """The corpus's canary is not vacuous: the same os.system and exec payloads, given to the
+    unrestricted pickle.loads in a child process, create the canary file and set the
+    canary variable."""
+    code = (
+        "import os, pickle, sys\n"
+        "import numpy as np\n"
+        "from fuzz.torch_corpus import CANARY_ENV, _malicious_pickle\n"
+        "canary = sys.argv[1]\n"
+        "rng = np.random.default_rng(0)\n"
+        "pickle.loads(_malicious_pickle(rng, ('os', 'system', (f'touch {canary}',)), 'reduce'))\n"
+        "code = f\"import os; os.environ[{CANARY_ENV!r}] = '1'\"\n"
+        "pickle.loads(_malicious_pickle(rng, ('builtins', 'exec', (code,)), 'stack_global'))\n"
+        "print(os.environ.get(CANARY_ENV))\n")
+    canary = tmp_path / "canary_pwned"
+    out = subprocess.run([sys.executable, "-c", code, str(canary)], cwd=TESTS_DIR, env=_child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert canary.exists() and out.stdout.strip() == "1"
