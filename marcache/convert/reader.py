@@ -260,16 +260,19 @@ class Checkpoint(collections.abc.Mapping):
         window = 1 << 20
         while True:
             f.seek(start)
-            chunk = f.read(min(window, MAX_PICKLE_BYTES))
+            chunk = f.read(window)
+            buf = io.BytesIO(chunk)
             try:
-                end = _scan_pickle(io.BytesIO(chunk), self.path, what)
+                end = _scan_pickle(buf, self.path, what)
                 break
             except CheckpointError:
-                if len(chunk) < window or window >= MAX_PICKLE_BYTES:
-                    if start + len(chunk) >= self.size or window < MAX_PICKLE_BYTES:
-                        raise                       # the whole rest of the file: a damaged pickle
+                # grow only when the scan ran out of window, not of file, and did not fail earlier
+                if buf.tell() < len(chunk) or len(chunk) < window:
+                    raise
+                if window >= MAX_PICKLE_BYTES:
                     raise CheckpointError(f"{self.path}: {what} is longer than the {MAX_PICKLE_BYTES} bytes "
-                                          "marcache reads for a pickle, or damaged") from None
+                                          "marcache reads for a pickle (a checkpoint's pickles are far smaller): "
+                                          "a damaged or hostile file") from None
                 window *= 8
         f.seek(start + end)
         return io.BytesIO(chunk[:end])
