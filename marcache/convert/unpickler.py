@@ -209,7 +209,7 @@ def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
 
 def _rebuild_from_type_v2(func, new_type, args, state):
     """torch._tensor._rebuild_from_type_v2: a tensor (sub)class wrapper."""
-    if func not in _REBUILDERS() or new_type not in (_TENSOR_TYPE, _PARAMETER_TYPE):
+    if func not in _rebuilders() or new_type not in (_TENSOR_TYPE, _PARAMETER_TYPE):
         raise CheckpointError(f"tensor rebuild through {brief(func)} as {brief(new_type)} is not supported")
     if not isinstance(args, tuple):
         raise CheckpointError("tensor rebuild arguments must be a tuple")
@@ -299,7 +299,7 @@ def _allowlist():
 ALLOWED_GLOBALS = _allowlist()
 
 
-def _REBUILDERS():
+def _rebuilders():
     """The allowlist's tensor and parameter rebuild functions (as the pickle sees them)."""
     return tuple(ALLOWED_GLOBALS[("torch._utils", name)] for name in
                  ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",

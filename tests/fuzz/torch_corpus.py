@@ -217,13 +217,6 @@ def _pick(rng, seq):
     return seq[int(rng.integers(len(seq)))]
 
 
-def _both_layouts(rng, bases, object_pickle_legacy, object_pickle_zip, storages=None):
-    storages = bases.storages if storages is None else storages
-    if rng.integers(2):
-        return legacy_file(object_pickle_legacy, storages)
-    return zip_file(object_pickle_zip, storages)
-
-
 # ----- malicious pickles -----------------------------------------------------------------------
 
 def canary_commands(canary):
@@ -362,13 +355,12 @@ def bad_geometry(rng, bases, canary):
         stride[-1] = _pick(rng, [2**62, 2**63, 2**64])
     elif kind == 10:
         shape, stride = [_pick(rng, [2**20, 2**30])] * 2, [0, 0]    # a huge stride-0 view of one element
-        offset = 0
     else:
         offset = _pick(rng, [True, 1.5, "0", None, [0]])
     weights = OrderedDict(bases.weights)
     legacy = bool(rng.integers(2))
 
-    def pickle_with(geometry_first):
+    def pickle_first_tensor_bad():
         ops = Ops(2)
         ops.op(b"}").mark().text("model_ema").glob("collections", "OrderedDict").op(b")R").mark()
         for i, (k, a) in enumerate(weights.items()):
@@ -393,7 +385,7 @@ def bad_geometry(rng, bases, canary):
         ops.op(b"u").op(b"u")
         return ops.stop()
 
-    payload = pickle_with(True)
+    payload = pickle_first_tensor_bad()
     data = legacy_file(payload, bases.storages) if legacy else zip_file(payload, bases.storages)
     return data, ("refused", None), f"geometry{kind}/{'legacy' if legacy else 'zip'}"
 
@@ -522,7 +514,6 @@ def damaged_zip(rng, bases, canary):
     if kind == 2:      # a CRC field in the central directory changed
         raw = bytearray(bases.zip_raw)
         name = _pick(rng, storage_names + [pkl])
-        cd = raw.rindex(b"PK\x01\x02" + raw[raw.rindex(b"PK\x01\x02") + 4:raw.rindex(b"PK\x01\x02") + 6])
         at = raw.find(b"PK\x01\x02", 0)
         while at >= 0:
             name_len = struct.unpack("<H", raw[at + 28:at + 30])[0]
@@ -530,7 +521,6 @@ def damaged_zip(rng, bases, canary):
                 raw[at + 16:at + 20] = struct.pack("<I", (struct.unpack("<I", raw[at + 16:at + 20])[0] ^ 0x5A5A))
                 break
             at = raw.find(b"PK\x01\x02", at + 4)
-        del cd
         return bytes(raw), ("refused", None), "central_crc"
     if kind == 3:
         return _zip_rewrite(recs, skip=(pkl,)), ("refused", None), "no_data_pkl"
