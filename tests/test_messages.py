@@ -1,6 +1,7 @@
 """Messages a newcomer meets (issue 17, point 5): each names the problem and what to do."""
 import os
 import pickle
+import re
 import subprocess
 import sys
 import zipfile
@@ -71,3 +72,58 @@ def test_progress_auto_shows_no_bar_when_stderr_is_not_a_terminal():
     assert proc.returncode == 0, proc.stderr[-2000:]
     # exactly one bar (progress=True), none from progress="auto" on a pipe
     assert proc.stderr.count("0/3") == 1, proc.stderr
+
+
+# ----- MemoryError names what and how much (issue 18) ------------------------------------------
+
+BINDING_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "python")
+_ALLOCATION = re.compile(r"\b(malloc|calloc|realloc|PyMem_(?:Raw)?(?:Malloc|Calloc|Realloc)|mc_aligned_alloc)\s*\(")
+# a size in the format: a number conversion followed by its unit
+_SIZED_FORMAT = re.compile(r"%[-.\d]*(?:zu|lld|llu|lu|d|f)[^\"%]{0,3}(?:-byte|bytes|floats|MiB|GiB|elements|entries)")
+
+
+def _binding_sources():
+    names = sorted(n for n in os.listdir(BINDING_DIR) if n.endswith(".c"))
+    assert {"py_mar.c", "py_var.c", "py_vqvae.c", "py_vae.c", "py_io.c"} <= set(names)
+    for name in names:
+        with open(os.path.join(BINDING_DIR, name)) as f:
+            yield name, f.read()
+
+
+def _functions(text):
+    """(first line, body) of each top-level C function: from a line that starts a
+    declaration at column 0 to the next line that is a lone "}"."""
+    out, start = [], None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if start is None and line and not line[0].isspace() and line.rstrip().endswith("{") and "(" in line:
+            start = i
+        elif start is not None and line == "}":
+            out.append((start + 1, "\n".join(lines[start:i + 1])))
+            start = None
+    return out
+
+
+def test_every_memory_error_of_the_bindings_names_what_and_how_much():
+    """A source scan of csrc/python/ (the MAR, VAR, VQVAE, VAE, Inception, io and op
+    bindings): no bare PyErr_NoMemory (its MemoryError has no message); every
+    mcpy_no_memory names what (a string) and its size; every MC_ERR_NOMEM the binding
+    raises itself has a size in its format; every function that allocates reports the
+    failure through one of those two."""
+    problems = []
+    for name, text in _binding_sources():
+        for m in re.finditer(r"PyErr_NoMemory\s*\(", text):
+            problems.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: bare PyErr_NoMemory()")
+        for m in re.finditer(r"mcpy_no_memory\s*\(([^;]*?)\)\s*[;:)]", text, re.S):
+            if name == "py_util.c":
+                continue
+            if not re.match(r'\s*"[^"]{4,}"\s*,\s*\S', m.group(1)):
+                problems.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: mcpy_no_memory({m.group(1)[:60]}) "
+                                "does not name what and how much")
+        for m in re.finditer(r"mc_fail\s*\([^,]+,\s*MC_ERR_NOMEM\s*,\s*(\"(?:[^\"\\]|\\.)*\")", text):
+            if not _SIZED_FORMAT.search(m.group(1)):
+                problems.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: MemoryError {m.group(1)} has no size")
+        for line, body in _functions(text):
+            if _ALLOCATION.search(body) and "mcpy_no_memory(" not in body and "MC_ERR_NOMEM" not in body:
+                problems.append(f"{name}:{line}: a function allocates but never reports a failed allocation")
+    assert not problems, "\n".join(problems)

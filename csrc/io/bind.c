@@ -276,3 +276,11 @@ mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, floa
     *out = buffer;
     return MC_OK;
 }
+
+mc_status mc_loader_check_sizes(mc_loader *ld, const mc_shape_size *sizes, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        if (sizes[i].value < 1)
+            return mc_fail(ld->err, MC_ERR_VALUE, "%s: the %s read from '%s' is %lld; it must be at least 1",
+                           ld->file->path, sizes[i].what, sizes[i].key, (long long)sizes[i].value);
+    return MC_OK;
+}

@@ -80,4 +80,15 @@ mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t sh
 mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t *shape, float *dst);
 mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out);
 
+/* A size of a model's configuration read back from a tensor's shape: what it is (for the
+ * message), the tensor it came from, its value. */
+typedef struct mc_shape_size {
+    const char *what, *key;
+    int64_t value;
+} mc_shape_size;
+
+/* MC_ERR_VALUE naming the first of `count` sizes below 1: a zero read from a shape gives
+ * empty buffers and loops (a width-0 MAR "generated"), not a model. */
+mc_status mc_loader_check_sizes(mc_loader *ld, const mc_shape_size *sizes, size_t count);
+
 #endif

@@ -336,6 +336,11 @@ static mc_status check_tensor(header_check *hc, mc_st_tensor *t, const mc_json_m
     if (dtype->type != MC_JSON_STRING)
         return mc_fail(hc->err, MC_ERR_VALUE, "%s: tensor '%s': 'dtype' must be a string, found %s", hc->path,
                        t->name, mc_json_type_name(dtype->type));
+    /* The name is compared as a C string: a NUL inside ("F32\u0000...") would otherwise
+     * pass for the part before it. */
+    if (strlen(dtype->u.string.chars) != dtype->u.string.len)
+        return mc_fail(hc->err, MC_ERR_VALUE, "%s: tensor '%s': 'dtype' contains a NUL character (after '%s')",
+                       hc->path, t->name, dtype->u.string.chars);
     if (dtype_from_name(dtype->u.string.chars, &t->dtype) != 0)
         return mc_fail(hc->err, MC_ERR_VALUE,
                        "%s: tensor '%s': unknown dtype '%s' (known: BOOL U8 I8 F8_E5M2 F8_E4M3 I16 U16 F16 BF16 "

@@ -119,6 +119,15 @@ static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *c
     MC_TRY(mc_loader_shape(ld, "decoder_blocks.0.mlp.fc1.weight", &ndim, shape));
     cfg->dec_mlp_hidden = shape[0];
 
+    const mc_shape_size sizes[] = {{"width", "class_emb.weight", cfg->width},
+                                   {"decoder width", "decoder_embed.weight", cfg->dec_width},
+                                   {"token count", "diffusion_pos_embed_learned", cfg->seq_len},
+                                   {"token channel count", "z_proj.weight", cfg->token_channels},
+                                   {"head width", "diffloss.net.input_proj.weight", cfg->head_width},
+                                   {"MLP hidden size", "encoder_blocks.0.mlp.fc1.weight", cfg->mlp_hidden},
+                                   {"decoder MLP hidden size", "decoder_blocks.0.mlp.fc1.weight", cfg->dec_mlp_hidden}};
+    MC_TRY(mc_loader_check_sizes(ld, sizes, sizeof sizes / sizeof sizes[0]));
+
     cfg->enc_heads = heads_for_width(cfg->width);
     cfg->dec_heads = heads_for_width(cfg->dec_width);
     MC_TRY(read_int_metadata(file, "heads", &cfg->enc_heads, err));

@@ -223,6 +223,11 @@ static mc_status read_config(mc_loader *ld, mc_var_config *c) {
     c->head_dim = c->width / c->heads;
     MC_TRY(shape_of(ld, "blocks.0.ffn.fc1.weight", 2, shape));
     c->ffn_hidden = shape[0];
+    const mc_shape_size sizes[] = {{"width", "class_emb.weight", c->width},
+                                   {"latent channel count", "word_embed.weight", c->vae_channels},
+                                   {"vocabulary", "head.weight", c->vocab},
+                                   {"FFN hidden size", "blocks.0.ffn.fc1.weight", c->ffn_hidden}};
+    MC_TRY(mc_loader_check_sizes(ld, sizes, sizeof sizes / sizeof sizes[0]));
 
     const char *meta = mc_st_metadata(file, "patch_nums");
     const char *text = meta != NULL ? meta : MC_VAR_DEFAULT_PATCH_NUMS;

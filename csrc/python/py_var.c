@@ -202,10 +202,10 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     for (int s = 0; s < n_scales; s++)
         max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
     Py_BEGIN_ALLOW_THREADS
-    float *d_map = NULL, *host = malloc((size_t)(N * max_rows * (C > c->vae_channels ? C : c->vae_channels)) *
-                                        sizeof(float));
+    const size_t host_bytes = (size_t)(N * max_rows * (C > c->vae_channels ? C : c->vae_channels)) * sizeof(float);
+    float *d_map = NULL, *host = malloc(host_bytes);
     if (host == NULL)
-        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the scale input staging buffer");
+        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the scale input staging buffer (%zu bytes)", host_bytes);
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK)
@@ -332,9 +332,10 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     const mc_var_policy_ops *ops = policy ? policy : &mc_var_nocache_policy;
     mc_var_policy run_policy = {ops, NULL};
     Py_BEGIN_ALLOW_THREADS
-    float *host = malloc((size_t)(N * max_rows * (C > V ? C : V)) * sizeof(float));
+    const size_t host_bytes = (size_t)(N * max_rows * (C > V ? C : V)) * sizeof(float);
+    float *host = malloc(host_bytes);
     if (host == NULL)
-        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the staging buffer of one scale");
+        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the staging buffer of one scale (%zu bytes)", host_bytes);
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK) {

@@ -7,16 +7,49 @@ import collections.abc
 import io
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 import zlib
 
-from .tensors import _ST_DTYPES, CheckpointError, LazyTensor, _Storage
-from .unpickler import RestrictedUnpickler, _check_int, _StorageType
+from .tensors import _ST_DTYPES, CheckpointError, LazyTensor, _Storage, brief
+from .unpickler import Namespace, RestrictedUnpickler, _check_int, _StorageType
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PREFIX = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little")
+
+#: The largest pickle read (a checkpoint's pickle holds only the structure: MAR-H's
+#: checkpoint-last.pth, optimizer state included, has a pickle well under 1 MiB). It
+#: bounds what a compressed data.pkl record (a zip bomb) can make us inflate.
+MAX_PICKLE_BYTES = 64 << 20
+
+# What zipfile raises for a record it cannot read: damaged data (BadZipFile, zlib.error,
+# EOFError), an unknown compression method (NotImplementedError), an encrypted record
+# (RuntimeError), impossible sizes or offsets (ValueError, OverflowError).
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, RuntimeError, ValueError,
+               OverflowError)
+
+
+def _scan_pickle(stream, path, what):
+    """Walks one pickle's opcodes (pickletools.genops: it only reads, builds nothing) before
+    the C unpickler sees it, and refuses what would make that unpickler allocate without
+    bound: a length or memo index beyond what the pickle could hold. Returns the stream
+    position after the pickle's STOP."""
+    opcodes = 0
+    try:
+        for opcode, arg, position in pickletools.genops(stream):
+            opcodes += 1
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > opcodes:
+                raise CheckpointError(f"{path}: {what} stores memo entry {arg} at byte {position}, after only "
+                                      f"{opcodes} opcodes (a pickle numbers its memo from 0): a damaged or hostile "
+                                      "pickle")
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, OverflowError, EOFError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: {what} is not a valid pickle: {exc} (a truncated or damaged file?)") \
+            from None
+    return stream.tell()
 
 
 def _sniff(path):
@@ -123,7 +156,7 @@ class Checkpoint(collections.abc.Mapping):
             elif isinstance(obj, (list, tuple)):
                 for i, v in enumerate(obj):
                     walk(v, f"{prefix}.{i}" if prefix else str(i))
-            elif isinstance(obj, argparse.Namespace):
+            elif isinstance(obj, (argparse.Namespace, Namespace)):
                 walk(vars(obj), prefix)
 
         walk(self.root, "")
@@ -145,24 +178,35 @@ class Checkpoint(collections.abc.Mapping):
             raise CheckpointError(f"{self.path}: the zip archive has several data.pkl records ({', '.join(pkls)})")
         self._prefix = pkls[0][: -len("data.pkl")]
         self._infos = infos
-        order = infos.get(self._prefix + "byteorder")
-        if order is not None:
-            value = self._zip.read(order).decode("ascii", "replace").strip()
-            if value not in ("little", "big"):
-                raise CheckpointError(f"{self.path}: record '{order.filename}' says byte order {value!r}")
-            self.byteorder = value
         try:
-            data = self._zip.read(pkls[0])
-        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
-            raise CheckpointError(f"{self.path}: cannot read record '{pkls[0]}': {exc}") from None
+            order = infos.get(self._prefix + "byteorder")
+            if order is not None:
+                value = self._read_record(order, 64).decode("ascii", "replace").strip()
+                if value not in ("little", "big"):
+                    raise CheckpointError(f"{self.path}: record '{order.filename}' says byte order {brief(value)}")
+                self.byteorder = value
+            data = self._read_record(infos[pkls[0]], MAX_PICKLE_BYTES)
         finally:
             self._zip.close()   # storages are read through our own handle (_locate)
             self._zip = None
+        _scan_pickle(io.BytesIO(data), self.path, f"record '{pkls[0]}'")
         self.root = self._unpickle(io.BytesIO(data), self._zip_persistent_load, pkls[0])
+
+    def _read_record(self, info, limit):
+        """The bytes of a small zip record (the pickle, the byte order), at most `limit`."""
+        if info.file_size > limit:
+            raise CheckpointError(f"{self.path}: record '{info.filename}' holds {info.file_size} bytes, more than the "
+                                  f"{limit} marcache reads for it (torch.save writes a small record there: a "
+                                  "damaged or hostile archive)")
+        try:
+            return self._zip.read(info)
+        except _ZIP_ERRORS as exc:
+            raise CheckpointError(f"{self.path}: cannot read record '{info.filename}': {type(exc).__name__}: {exc}") \
+                from None
 
     def _zip_persistent_load(self, pid):
         if not isinstance(pid, tuple) or len(pid) != 5 or _ascii(pid[0]) != "storage":
-            raise CheckpointError(f"{self.path}: unexpected persistent id {pid!r} (expected ('storage', type, key, "
+            raise CheckpointError(f"{self.path}: unexpected persistent id {brief(pid)} (expected ('storage', type, key, "
                                   "location, numel))")
         _, storage_type, key, _location, numel = pid
         key, itemsize, st = self._storage_ref(pid, storage_type, key, numel, typed=False)
@@ -192,6 +236,9 @@ class Checkpoint(collections.abc.Mapping):
         if st.file_offset is not None:
             return
         info = st._zipinfo
+        if not 0 <= info.header_offset <= self.size - 30:
+            raise CheckpointError(f"{self.path}: record '{info.filename}' has its local header at offset "
+                                  f"{info.header_offset}, outside the file's {self.size} bytes: the file is damaged")
         f = self._file()
         f.seek(info.header_offset)
         header = f.read(30)
@@ -203,25 +250,49 @@ class Checkpoint(collections.abc.Mapping):
             raise CheckpointError(f"{self.path}: record '{info.filename}' runs past the end of the file: truncated")
 
     # ------------------------------------------------------------- legacy format
+    def _next_pickle(self, what):
+        """The next pickle of the legacy stream, as a buffer the unpickler reads from after
+        _scan_pickle has checked it. The stream does not say where a pickle ends, so the
+        scan runs on a window of the file that grows (1 MiB, x 8) until it holds the whole
+        pickle, up to MAX_PICKLE_BYTES; the file is left just after the pickle."""
+        f = self._file()
+        start = f.tell()
+        window = 1 << 20
+        while True:
+            f.seek(start)
+            chunk = f.read(window)
+            buf = io.BytesIO(chunk)
+            try:
+                end = _scan_pickle(buf, self.path, what)
+                break
+            except CheckpointError:
+                # grow only when the scan ran out of window, not of file, and did not fail earlier
+                if buf.tell() < len(chunk) or len(chunk) < window:
+                    raise
+                if window >= MAX_PICKLE_BYTES:
+                    raise CheckpointError(f"{self.path}: {what} is longer than the {MAX_PICKLE_BYTES} bytes "
+                                          "marcache reads for a pickle (a checkpoint's pickles are far smaller): "
+                                          "a damaged or hostile file") from None
+                window *= 8
+        f.seek(start + end)
+        return io.BytesIO(chunk[:end])
+
     def _open_legacy(self):
         f = self._file()
-        try:
-            magic = RestrictedUnpickler(f, self.path).load()
-            protocol = RestrictedUnpickler(f, self.path).load()
-            sys_info = RestrictedUnpickler(f, self.path).load()
-        except (EOFError, pickle.UnpicklingError) as exc:
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointError(f"{self.path}: legacy checkpoint header is damaged ({exc})") from None
+        magic = self._unpickle(self._next_pickle("the magic number pickle"), None, "the magic number pickle")
+        protocol = self._unpickle(self._next_pickle("the protocol pickle"), None, "the protocol pickle")
+        sys_info = self._unpickle(self._next_pickle("the system information pickle"), None,
+                                  "the system information pickle")
         if magic != _LEGACY_MAGIC or protocol != 1001:
-            raise CheckpointError(f"{self.path}: legacy checkpoint with magic {magic!r} / protocol {protocol!r} "
-                                  "(expected 1001): not a torch.save file")
+            raise CheckpointError(f"{self.path}: legacy checkpoint with magic {brief(magic)} / protocol "
+                                  f"{brief(protocol)} (expected 1001): not a torch.save file")
         if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
             raise CheckpointError(f"{self.path}: a legacy checkpoint written on a big-endian machine; re-save it with "
                                   "a recent torch.save (zip format)")
         self._legacy_order = []
-        self.root = self._unpickle(f, self._legacy_persistent_load, "the object pickle")
-        keys = self._unpickle(f, None, "the storage key list")
+        self.root = self._unpickle(self._next_pickle("the object pickle"), self._legacy_persistent_load,
+                                   "the object pickle")
+        keys = self._unpickle(self._next_pickle("the storage key list"), None, "the storage key list")
         if not isinstance(keys, list):
             raise CheckpointError(f"{self.path}: legacy storage key list is a {type(keys).__name__}")
         pos = f.tell()
@@ -252,13 +323,13 @@ class Checkpoint(collections.abc.Mapping):
 
     def _legacy_persistent_load(self, pid):
         if not isinstance(pid, tuple) or not pid:
-            raise CheckpointError(f"{self.path}: unexpected persistent id {pid!r}")
+            raise CheckpointError(f"{self.path}: unexpected persistent id {brief(pid)}")
         typename = _ascii(pid[0])
         if typename == "module":
             raise CheckpointError(f"{self.path}: the checkpoint pickles a whole nn.Module (source code and all); "
                                   "only state dicts of tensors are supported")
         if typename != "storage" or len(pid) != 6:
-            raise CheckpointError(f"{self.path}: unexpected persistent id {pid!r}")
+            raise CheckpointError(f"{self.path}: unexpected persistent id {brief(pid)}")
         _, storage_type, root_key, _location, numel, view = pid
         root_key, itemsize, root = self._storage_ref(pid, storage_type, root_key, numel, typed=True)
         if root is None:
@@ -268,7 +339,7 @@ class Checkpoint(collections.abc.Mapping):
         if view is None:
             return root
         if not isinstance(view, tuple) or len(view) != 3:
-            raise CheckpointError(f"{self.path}: bad storage view {view!r}")
+            raise CheckpointError(f"{self.path}: bad storage view {brief(view)}")
         view_key, offset, size = _ascii(view[0]), _check_int(view[1], "view offset"), _check_int(view[2], "view size")
         if (offset + size) * itemsize > root.nbytes:
             raise CheckpointError(f"{self.path}: storage view '{view_key}' exceeds storage '{root_key}'")
@@ -287,7 +358,7 @@ class Checkpoint(collections.abc.Mapping):
         element count; returns (key, item size, the storage already made for key or None)."""
         if not isinstance(storage_type, _StorageType) or (typed and storage_type.name == "UntypedStorage"):
             what = "typed storage class" if typed else "storage class"
-            raise CheckpointError(f"{self.path}: persistent id {pid!r} names no {what}")
+            raise CheckpointError(f"{self.path}: persistent id {brief(pid)} names no {what}")
         key = _ascii(key)
         _check_int(numel, "storage size")
         return key, _ST_DTYPES[storage_type.dtype].itemsize, self._storages.get(key)
@@ -295,11 +366,14 @@ class Checkpoint(collections.abc.Mapping):
     def _unpickle(self, fileobj, persistent_load, what):
         try:
             return RestrictedUnpickler(fileobj, self.path, persistent_load).load()
-        except CheckpointError:
-            raise
+        except CheckpointError as exc:
+            if str(exc).startswith(self.path):
+                raise
+            # raised by a rebuild function, which does not know the file: name it here
+            raise type(exc)(f"{self.path}: {what}: {exc}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
-                KeyError, struct.error) as exc:
-            raise CheckpointError(f"{self.path}: cannot unpickle {what}: {type(exc).__name__}: {exc} "
+                KeyError, struct.error, OverflowError, RecursionError) as exc:
+            raise CheckpointError(f"{self.path}: cannot unpickle {what}: {type(exc).__name__}: {str(exc)[:300]} "
                                   "(truncated or damaged file?)") from None
 
 

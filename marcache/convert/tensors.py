@@ -3,6 +3,7 @@ tables (safetensors, torch storage classes, torch dtype names), the exact
 bfloat16 conversions, and the lazy tensors that point into a checkpoint file."""
 import math
 import pickle
+import reprlib
 import zlib
 
 import numpy as np
@@ -14,6 +15,21 @@ class CheckpointError(ValueError):
 
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """The pickle asks for a global outside the allowlist (it could run code)."""
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 3, 80, 80, 60
+_BRIEF.maxtuple = _BRIEF.maxlist = _BRIEF.maxdict = _BRIEF.maxset = _BRIEF.maxfrozenset = 8
+
+
+def brief(value):
+    """repr() of a value that came out of a pickle, for error messages: bounded in depth and
+    length (reprlib), so a deeply nested or self-referential object, or a 100 MB string,
+    cannot turn the message itself into a RecursionError or a memory hog."""
+    try:
+        return _BRIEF.repr(value)
+    except Exception:  # a hostile __repr__ cannot come from the allowlist, but stay safe
+        return f"<{type(value).__name__}>"
 
 
 # ===========================================================================
