@@ -37,7 +37,7 @@ def _import_extension():
 
 
 _C = _import_extension()
-from .policies import CfgFreeLate, FastVAR, LazyMAR, MARche, NoCache  # noqa: E402
+from .policies import CfgFreeLate, DiSA, FastVAR, LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS, VAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402
 from .var_model import VARModel  # noqa: E402
@@ -53,5 +53,5 @@ def build_info():
 
 
 __all__ = ["load", "file_kind", "convert", "digits", "MARModel", "VARModel", "GenerationInfo", "NoCache", "LazyMAR",
-           "MARche", "CfgFreeLate", "FastVAR", "flops",
+           "MARche", "CfgFreeLate", "DiSA", "FastVAR", "flops",
            "MAR_CONFIGS", "VAR_CONFIGS", "build_info", "__version__"]

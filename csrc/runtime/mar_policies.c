@@ -7,12 +7,14 @@
 #include "mar_policy.h"
 
 extern const mc_mar_policy_ops mc_cfgfree_policy;
+extern const mc_mar_policy_ops mc_disa_policy;
 
 const mc_mar_policy_ops *const mc_mar_policies[] = {
     &mc_nocache_policy,
     &mc_lazymar_policy,
     &mc_marche_policy,
     &mc_cfgfree_policy,
+    &mc_disa_policy,
     NULL,
 };
 
