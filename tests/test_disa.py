@@ -238,3 +238,32 @@ def test_engine_field_table_names_the_field(tiny, edit, match):
     edit(d)
     with pytest.raises(ValueError, match=match):
         model._mar.generate(np.array([1], np.int32), steps=2, cfg=2.0, cache=d)
+
+
+def test_readme_numbers():
+    """The README's DiSA lines: the first step counts at 64 AR steps and MAR-B's FLOPs and
+    ratios at 64 steps with CFG (exact counts, equal to the telemetry by test_flops_equal_telemetry)."""
+    assert [mc.DiSA().diffusion_steps_at(s, 64) for s in range(4)] == [48, 47, 46, 45]
+    kw = dict(steps=64, cfg=2.9)
+    base = mc.flops("mar_base", **kw).total
+    assert mc.flops("mar_base", cache=mc.DiSA(inner=mc.LazyMAR()), **kw).total / 1e12 == pytest.approx(4.40, abs=0.005)
+    assert base / 1e12 == pytest.approx(14.44, abs=0.005)
+    for policy, ratio in ((mc.DiSA(), 1.23), (mc.LazyMAR(), 2.90), (mc.DiSA(inner=mc.LazyMAR()), 3.28)):
+        for batch in (1, 8):
+            assert mc.flops("mar_base", batch=batch, **kw).total / \
+                mc.flops("mar_base", cache=policy, batch=batch, **kw).total == pytest.approx(ratio, abs=0.005)
+    report = mc.flops("mar_base", **kw)
+    assert report.head / report.total == pytest.approx(0.24, abs=0.005)
+
+
+def test_disa_comparison_matches_reference():
+    """comparisons.DISA_ANNEALED (the mutation test's DiSA case: an off-by-one in the
+    index formula and a missing clip both fail it): tokens within 2e-6 of each token's
+    largest channel, and the per-step diffusion steps equal."""
+    import comparisons as C
+
+    comparison = C.DISA_ANNEALED
+    tokens, info = comparison.engine()
+    ref, log = comparison.reference()
+    assert [s["diffusion_steps"] for s in info.steps] == [e["diffusion_steps"] for e in log]
+    comparison.check()
