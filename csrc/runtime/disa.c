@@ -74,17 +74,14 @@ static mc_status disa_check(const void *config, const mc_mar_config *model, mc_e
                        cfg->clip);
     if (cfg->schedule < DISA_LINEAR || cfg->schedule > DISA_TWO_STAGE)
         return mc_fail(err, MC_ERR_VALUE, "DiSA: unknown schedule %d", cfg->schedule);
-    if (cfg->inner.schema == NULL || cfg->inner.config == NULL)
-        return mc_fail(err, MC_ERR_VALUE, "DiSA: no inner policy");
-    return mc_mar_policy_of(cfg->inner.schema)->check(cfg->inner.config, model, err);
+    return mc_mar_inner_check(&cfg->inner, "DiSA", model, err);
 }
 
 static void disa_free(void *state) {
     disa_state *s = state;
     if (s == NULL)
         return;
-    if (s->inner.state != NULL)
-        s->inner.ops->free(s->inner.state);
+    mc_mar_inner_free(&s->inner);
     if (s->tables != NULL)
         for (int i = 0; i < s->n_tables; i++)
             free(s->tables[i]);
@@ -122,15 +119,15 @@ static mc_status disa_create(mc_mar *mar, const void *config, const mc_mar_run_s
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the DiSA state");
     s->cfg = *cfg;
     s->num_steps = run->num_steps;
-    s->inner.ops = mc_mar_policy_of(cfg->inner.schema);
     mc_status st = make_tables(s, mar, err);
     if (st == MC_OK)
-        st = s->inner.ops->create(mar, cfg->inner.config, run, &s->inner.state, err);
-    if (st == MC_OK)
-        *state = s;
-    else
+        st = mc_mar_inner_create(&s->inner, mar, &cfg->inner, run, err);
+    if (st != MC_OK) {
         disa_free(s);
-    return st;
+        return st;
+    }
+    *state = s;
+    return MC_OK;
 }
 
 static mc_status disa_plan(void *state, int64_t most_live_rows, mc_err *err) {
