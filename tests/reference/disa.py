@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from . import mar as R
+from . import cfgfree as RF
 
 
 def base_alphas_cumprod(T=1000):
@@ -84,31 +84,13 @@ def schedule_index(schedule, step, num_iter, lower, upper):
 
 def generate_tokens(W, labels, num_images, steps, cfg, cfg_schedule, temperature, seed, first_index, heads,
                     upper, lower, schedule="linear", clip=950):
-    """MAR's AR loop (no cache) with each step's head sampled by its DiSA respacing.
-    Tokens float32 [num_images, S, C] and one dict per step (step, k, diffusion_steps)."""
-    sz = R.model_sizes(W)
-    S, C = sz["seq_len"], sz["token_channels"]
-    B = int(num_images)
-    tokens = np.zeros((B, S, C), dtype=np.float32)
-    mask = np.ones((B, S), dtype=bool)
-    orders = R.generation_orders(seed, first_index, B, S)
-    cfg_on = cfg != 1.0
-    log = []
-    for step, (_m_before, mask_len, n_pred) in enumerate(R.mask_schedule(S, steps)):
-        k = lower + schedule_index(schedule, step, steps, lower, upper)
-        tables = respaced_tables(k, clip)
-        z = R.transformer(W, tokens, mask, labels, heads, cfg_on)
-        mask_next = np.zeros_like(mask)
-        mask_next[np.arange(B)[:, None], orders[:, :mask_len]] = True
-        pred = mask.copy() if step == steps - 1 else mask & ~mask_next
-        mask = mask_next
-        rows_b, rows_pos = np.nonzero(pred)
-        z_sel = z[rows_b, rows_pos]
-        if cfg_on:
-            z_sel = np.concatenate([z_sel, z[B + rows_b, rows_pos]])
-        cfg_iter = R.cfg_schedule(cfg, cfg_schedule, mask_len, S) if cfg_on else 1.0
-        if n_pred > 0:
-            sampled = R.head_sample(W, z_sel, first_index + rows_b, rows_pos, seed, temperature, cfg_iter, tables)
-            tokens[rows_b, rows_pos] = sampled.astype(np.float32)
-        log.append(dict(step=step, k=k, diffusion_steps=len(tables["timesteps"])))
+    """MAR's AR loop (no cache; cfgfree.py's loop with every step guided, which is MAR's)
+    with each step's head sampled by its DiSA respacing. Tokens float32 [num_images, S, C]
+    and one dict per step (step, k, diffusion_steps)."""
+    def k_at(step):
+        return lower + schedule_index(schedule, step, steps, lower, upper)
+
+    tokens, _ = RF.generate_tokens(W, labels, num_images, steps, cfg, cfg_schedule, temperature, seed, first_index,
+                                   heads, after=1.0, tables=lambda step: respaced_tables(k_at(step), clip))
+    log = [dict(step=s, k=k_at(s), diffusion_steps=len(kept_timesteps(k_at(s), clip))) for s in range(steps)]
     return tokens, log
