@@ -3,11 +3,6 @@
 the float64 reference, NoCache's bits at start = end = 100 without the clip, the
 compositions with LazyMAR and MARche (head-cache plans on the respaced indices, the
 guard backend's bits, no allocation in the loop), and bad input."""
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -15,7 +10,7 @@ import marcache as mc
 from marcache import _C
 from marcache.policies import resolve
 from marcache.policies.disa import respaced_timesteps
-from mar_fixtures import write_tiny_mar
+from mar_fixtures import guard_generate_json, write_tiny_mar
 from reference import disa as RD
 from reference import mar as R
 from tolerance import assert_close
@@ -188,16 +183,10 @@ def test_disa_runs_on_the_guard_backend_with_the_cpu_bits(tiny):
                 "mc.DiSA(start=12, end=3, schedule='cosine', inner=mc.LazyMAR(start=2, period=3))",
                 "mc.DiSA(start=9, end=2, inner=mc.MARche(refresh_period=2, head_cache=True))"]
     kw = dict(labels=[1, 2], steps=5, cfg=2.5, seed=4)
-    code = (f"import json, marcache as mc; m = mc.load({str(path)!r}, device='guard'); "
-            f"print(json.dumps([m.generate_tokens(cache=p, **{kw!r}).tolist() for p in [{', '.join(policies)}]]))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    guard = json.loads(proc.stdout.strip().splitlines()[-1])
+    guard = guard_generate_json(path, policies, **kw)
     for text, tokens in zip(policies, guard):
         cpu = model.generate_tokens(cache=eval(text, {"mc": mc}), **kw)
-        assert np.array_equal(np.array(tokens, np.float32), cpu), text
+        assert np.array_equal(tokens, cpu), text
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
