@@ -40,7 +40,7 @@ _C = _import_extension()
 from . import _cuda_libs  # noqa: E402
 
 _cuda_libs.register(_C)  # where the CUDA backend will look for cuBLAS (loaded later, if ever)
-from .policies import CfgFreeLate, FastVAR, LazyMAR, MARche, NoCache  # noqa: E402
+from .policies import CfgFreeLate, DiSA, FastVAR, LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS, VAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402
 from .var_model import VARModel  # noqa: E402
@@ -56,5 +56,5 @@ def build_info():
 
 
 __all__ = ["load", "file_kind", "convert", "digits", "MARModel", "VARModel", "GenerationInfo", "NoCache", "LazyMAR",
-           "MARche", "CfgFreeLate", "FastVAR", "flops",
+           "MARche", "CfgFreeLate", "DiSA", "FastVAR", "flops",
            "MAR_CONFIGS", "VAR_CONFIGS", "build_info", "__version__"]

@@ -279,6 +279,18 @@ def _cmd_demo(args):
 
     if args.per_class < 1:
         raise ValueError(f"--per-class must be >= 1, got {args.per_class}")
+    if args.frontier:
+        from .demo import run_frontier
+
+        if args.cache is not None or args.cache_opt or args.cache_file:
+            raise ValueError("--frontier runs its own grid of policies (NoCache, LazyMAR, MARche, DiSA and their "
+                             "compositions); leave out --cache")
+        if args.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {args.batch}")
+        out = "frontier.png" if args.out == "demo.png" else args.out
+        run_frontier(out=out, per_class=args.per_class, steps=args.steps, cfg=args.cfg, seed=args.seed,
+                     threads=args.threads, batch_size=args.batch, quiet=args.quiet)
+        return
     policies = None
     if args.cache is not None or args.cache_opt or args.cache_file:
         import marcache as mc
@@ -536,6 +548,11 @@ def main(argv=None):
     m.add_argument("--threads", type=int, default=0)
     m.add_argument("--quiet", action="store_true", help="print only the table")
     m.add_argument("--no-var", action="store_true", help="leave the digits VAR out (MAR policies only; --cache leaves it out too)")
+    m.add_argument("--frontier", action="store_true",
+                   help="the speed-quality frontier instead: NoCache, LazyMAR, MARche, DiSA and DiSA composed with "
+                        "each, alternating batch by batch; a table (s/image, FLOPs, digits-FID, class accuracy, "
+                        "the Pareto set) and a plot (--out, default frontier.png; needs matplotlib)")
+    m.add_argument("--batch", type=int, default=8, help="--frontier: images per generate call")
     _add_cache_arguments(m)
     m.set_defaults(func=_cmd_demo)
 

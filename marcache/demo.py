@@ -21,6 +21,43 @@ def default_policies():
     return [("NoCache", NoCache()), ("LazyMAR", LazyMAR()), ("MARche", MARche())]
 
 
+def frontier_policies():
+    """The grid of ``demo --frontier``: NoCache, each cache policy at its defaults, DiSA
+    (50 -> 5 linear, official clip) alone and composed with each of them."""
+    from .policies import DiSA
+
+    return [("NoCache", NoCache()), ("LazyMAR", LazyMAR()), ("MARche", MARche()), ("DiSA", DiSA()),
+            ("LazyMAR+DiSA", DiSA(inner=LazyMAR())), ("MARche+DiSA", DiSA(inner=MARche(head_cache=True)))]
+
+
+def run_frontier(out="frontier.png", per_class=10, steps=digits.STEPS, cfg=digits.CFG, seed=0, threads=0,
+                 batch_size=8, policies=None, quiet=False):
+    """``demo --frontier``: marcache.eval.frontier of `policies` (default frontier_policies())
+    on the digits model; prints the table and writes the plot to `out` (skipped, with a
+    note, when matplotlib is not installed). Returns the Frontier."""
+    from . import eval as _eval
+
+    say = (lambda *a: None) if quiet else print  # noqa: E731
+    model = digits.load_model(threads=threads)
+    classifier = digits.Classifier.load()
+    policies = policies or frontier_policies()
+    n = 10 * per_class
+    say(f"marcache demo --frontier: {model!r}; {n} digits per policy ({per_class} per class), {steps} AR steps, "
+        f"cfg {cfg}, seed {seed}, batch {batch_size} (policies alternate batch by batch)")
+    result = _eval.frontier(model, classifier, dict(policies), n, per_class=per_class, seed=seed,
+                            batch_size=batch_size, steps=steps, cfg=cfg)
+    print(result.table())
+    say("* = on the speed-quality Pareto set (digits-FID against the training digits); speed-up and FLOP ratio "
+        "against the first row")
+    if out:
+        try:
+            _eval.plot_frontier(result, out, title=f"digits MAR, {n} digits, {steps} steps, cfg {cfg}")
+            say(f"wrote {out}")
+        except ImportError as exc:
+            say(f"no plot: {exc}")
+    return result
+
+
 def _psnr(a, b):
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return float("inf") if mse == 0 else 10.0 * np.log10(255.0 ** 2 / mse)

@@ -787,6 +787,17 @@ def _check_generate_settings(model, settings):
                          f"set by the sweep)")
 
 
+def _named_configs(configs, what):
+    """[(name, cache config)] of a {name: config} dict or a list of configs (named by their `name`)."""
+    if isinstance(configs, dict):
+        items = list(configs.items())
+    else:
+        items = [(getattr(c, "name", str(c)), c) for c in configs]
+    if not items:
+        raise ValueError(f"{what} is empty")
+    return items
+
+
 def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size=16, progress=False,
           is_protocol="torch-fidelity", method="auto", executor=None, **generate_settings):
     """Generates `n` images per cache configuration and scores them.
@@ -815,12 +826,7 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size
     seconds per image (summed over workers).
     """
     _check_generate_settings(model, generate_settings)
-    if isinstance(configs, dict):
-        items = list(configs.items())
-    else:
-        items = [(getattr(c, "name", str(c)), c) for c in configs]
-    if not items:
-        raise ValueError("configs is empty")
+    items = _named_configs(configs, "configs")
     if not isinstance(reference, Stats):
         reference = load_reference(reference, inception)
     if executor is not None:
@@ -867,6 +873,161 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size
     return results
 
 
+@dataclass
+class FrontierRow:
+    """One policy of a frontier run."""
+    name: str
+    cache: object
+    n: int
+    seconds_per_image: float   # generation wall time per image, every batch after the first
+    flops_per_image: float     # from the engine's telemetry
+    fid: float                 # FID, or the digits-FID with the digits classifier
+    accuracy: Optional[float]  # class accuracy (digits classifier), None with Inception
+    speedup: float = 1.0       # the first policy's seconds_per_image / this one's
+    flop_ratio: float = 1.0    # the first policy's flops_per_image / this one's
+    pareto: bool = False       # on the speed-quality Pareto front
+
+
+@dataclass
+class Frontier:
+    """The rows of marcache.eval.frontier (policies in the order given) and its Pareto set
+    (rows no other row beats on both seconds per image and quality), fastest first."""
+    rows: List[FrontierRow]
+    pareto: List[FrontierRow]
+    quality: str = "fid"
+
+    def table(self):
+        """A plain-text table of the rows (a * marks the Pareto set)."""
+        lines = [f"{'policy':<34} {'s/image':>8} {'speed-up':>8} {'GFLOP/img':>10} {'FLOP ratio':>10} "
+                 f"{'FID':>8} {'class acc':>9}"]
+        for r in self.rows:
+            acc = "-" if r.accuracy is None else f"{100 * r.accuracy:.1f}%"
+            lines.append(f"{('* ' if r.pareto else '  ') + r.name:<34} {r.seconds_per_image:>8.4f} "
+                         f"{r.speedup:>7.2f}x {r.flops_per_image / 1e9:>10.4f} {r.flop_ratio:>9.2f}x "
+                         f"{r.fid:>8.3f} {acc:>9}")
+        return "\n".join(lines)
+
+
+def _dominates(a, b, quality):
+    """a is at least as fast and as good as b, and better in one."""
+    qa, qb = (a.fid, b.fid) if quality == "fid" else (-a.accuracy, -b.accuracy)
+    return (a.seconds_per_image <= b.seconds_per_image and qa <= qb and
+            (a.seconds_per_image < b.seconds_per_image or qa < qb))
+
+
+def frontier(model, classifier_or_inception, policies, n, per_class=None, reference=None, seed=0, batch_size=8,
+             quality="fid", progress=False, **generate_settings):
+    """Runs every cache policy on the same labels and seeds and returns the speed-quality
+    frontier (a Frontier: one FrontierRow per policy and the Pareto set).
+
+    classifier_or_inception: the digits classifier (``marcache.digits.Classifier``: the
+    digits-FID on its 64-d features and the class accuracy) or an ``InceptionV3`` (FID;
+    no class accuracy). policies: {name: policy} or a list of policies. Image i has class
+    i // per_class (default n // num_classes) and is image i of the seed's sequence under
+    every policy. The policies alternate batch by batch (batch_size images each), so a
+    changing load on a shared machine reaches all of them alike; s/image is the wall
+    time of every batch after a policy's first. reference: Stats or an .npz path (the
+    training digits' statistics by default with the classifier; required with
+    Inception). quality: "fid" or "accuracy", the axis of the Pareto set.
+    generate_settings: the model's generation settings (steps, cfg, ...).
+    """
+    if quality not in ("fid", "accuracy"):
+        raise ValueError(f"frontier: quality must be 'fid' or 'accuracy', got {quality!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"frontier: n must be a positive integer, got {n!r}")
+    _check_generate_settings(model, generate_settings)
+    items = _named_configs(policies, "policies")
+    from . import digits as _digits
+
+    is_classifier = isinstance(classifier_or_inception, _digits.Classifier)
+    if not is_classifier and not isinstance(classifier_or_inception, InceptionV3):
+        raise TypeError(f"frontier: classifier_or_inception must be marcache.digits.Classifier or "
+                        f"marcache.eval.InceptionV3, got {type(classifier_or_inception).__name__}")
+    if quality == "accuracy" and not is_classifier:
+        raise ValueError("frontier: quality='accuracy' needs the digits classifier (Inception has no class labels)")
+    if reference is None:
+        if not is_classifier:
+            raise ValueError("frontier: reference statistics (Stats or an .npz path) are needed with Inception")
+        reference = _digits.reference_stats(classifier_or_inception)
+    elif not isinstance(reference, Stats):
+        reference = load_reference(reference, classifier_or_inception)
+    num_classes = model.config.get("num_classes", 1000)
+    per_class = max(1, n // num_classes) if per_class is None else per_class
+    labels = class_major_labels(n, per_class, num_classes)
+    images = {name: [] for name, _ in items}
+    seconds = {name: [] for name, _ in items}
+    flops = {name: 0.0 for name, _ in items}
+    bar = _Progress(n * len(items), "frontier", enabled=progress)
+    try:
+        for start in range(0, n, batch_size):
+            lab = labels[start:start + batch_size]
+            for name, cache in items:
+                t0 = time.perf_counter()
+                out, info = model.generate(labels=lab, seed=seed, first_index=start, cache=cache, return_info=True,
+                                           **generate_settings)
+                seconds[name].append(time.perf_counter() - t0)
+                flops[name] += info.flops
+                images[name].append(out)
+                bar.update(len(out))
+    finally:
+        bar.close()
+    sizes = [len(labels[s:s + batch_size]) for s in range(0, n, batch_size)]
+    timed = slice(1, None) if len(sizes) > 1 else slice(None)
+    rows = []
+    for name, cache in items:
+        imgs = np.concatenate(images[name])
+        if is_classifier:
+            feats = classifier_or_inception.features(imgs)
+            accuracy = classifier_or_inception.accuracy(imgs, labels)
+        else:
+            feats, accuracy = classifier_or_inception.features(imgs)[0], None
+        rows.append(FrontierRow(name=name, cache=cache, n=n,
+                                seconds_per_image=sum(seconds[name][timed]) / sum(sizes[timed]),
+                                flops_per_image=flops[name] / n, accuracy=accuracy,
+                                fid=fid(Stats.from_features(feats), reference,
+                                        method="symmetric" if is_classifier else "auto")))
+    for r in rows:
+        r.speedup = rows[0].seconds_per_image / r.seconds_per_image
+        r.flop_ratio = rows[0].flops_per_image / r.flops_per_image
+        r.pareto = not any(_dominates(o, r, quality) for o in rows if o is not r)
+    return Frontier(rows=rows, pareto=sorted((r for r in rows if r.pareto), key=lambda r: r.seconds_per_image),
+                    quality=quality)
+
+
+def plot_frontier(result, path=None, ax=None, title=None):
+    """Quality (the frontier's quality axis) against seconds per image, one labelled
+    point per policy, the Pareto set joined by a line. Writes a PNG to `path` when given;
+    returns the matplotlib Axes. Needs matplotlib (optional: pip install matplotlib)."""
+    try:
+        import matplotlib
+        if ax is None and path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("marcache.eval.plot_frontier draws with matplotlib, which is not installed: "
+                          "pip install matplotlib (everything else in marcache.eval works without it)") from exc
+    value = (lambda r: r.fid) if result.quality == "fid" else (lambda r: 100 * r.accuracy)  # noqa: E731
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in result.rows:
+        ax.plot(r.seconds_per_image, value(r), "o", color="C0" if r.pareto else "0.6")
+        ax.annotate(r.name, (r.seconds_per_image, value(r)), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.plot([r.seconds_per_image for r in result.pareto], [value(r) for r in result.pareto], "-", color="C0",
+            label="Pareto set")
+    ax.set_xlabel("seconds per image")
+    ax.set_ylabel("FID (lower is better)" if result.quality == "fid" else "class accuracy % (higher is better)")
+    ax.set_xscale("log")
+    ax.legend(loc="best", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    if path is not None:
+        (fig or ax.figure).savefig(path, dpi=120, bbox_inches="tight")
+    if fig is not None and path is not None:
+        plt.close(fig)
+    return ax
+
+
 def format_table(results):
     """A plain-text table: policy, N, FID, IS, seconds and TFLOPs per image."""
     lines = [f"{'policy':<16} {'N':>6} {'FID':>10} {'IS':>9} {'s/img':>9} {'TFLOPs/img':>11}"]
@@ -878,4 +1039,5 @@ def format_table(results):
 
 __all__ = ["InceptionV3", "Stats", "fid", "inception_score", "InceptionScore", "load_reference",
            "save_samples", "SampleWriter", "make_reference", "evaluate", "iter_npz_images",
-           "iter_folder_images", "class_major_labels", "sweep", "SweepResult", "format_table"]
+           "iter_folder_images", "class_major_labels", "sweep", "SweepResult", "format_table", "frontier",
+           "Frontier", "FrontierRow", "plot_frontier"]

@@ -99,7 +99,8 @@ def flops(model_or_name, steps=None, cfg=None, cache=None, batch=1, diffusion_st
 
     MAR: `steps` AR steps (default 64); cfg != 1.0 (default 1.0) doubles the
     transformer batch and the head rows (CFG on). cache: None / NoCache() or any other
-    MAR cache policy (LazyMAR, MARche, CfgFreeLate). convention: "engine" counts what
+    MAR cache policy (LazyMAR, MARche, CfgFreeLate, DiSA; DiSA's respaced step counts
+    replace `diffusion_steps`). convention: "engine" counts what
     marcache computes (equal to the engine's telemetry); "reference" counts what the
     official PyTorch code computes for the same run (no hoisting in the diffusion
     head, the convention of the published MAR/LazyMAR FLOPs and of the spec's
@@ -175,7 +176,10 @@ def _mar_flops(model_or_name, steps, cfg, cache, batch, diffusion_steps, convent
         e, d = cache.transformer_flops(ctx)
         # A policy may sample some steps unguided (CfgFreeLate): its step_cfg_on says which.
         step_cfg_on = cache.step_cfg_on(ctx) if hasattr(cache, "step_cfg_on") else cfg_on
-        h = _mar.head(c, batch * predicted, step_cfg_on, diffusion_steps, head_cache, reference)
+        # A policy may sample some steps with its own respacing (DiSA).
+        step_diffusion = cache.step_diffusion_steps(ctx, diffusion_steps) if hasattr(
+            cache, "step_diffusion_steps") else diffusion_steps
+        h = _mar.head(c, batch * predicted, step_cfg_on, step_diffusion, head_cache, reference)
         enc, dec, head = enc + e, dec + d, head + h
         per_step.append(float(e + d + h))
         predicted_before = predicted

@@ -34,6 +34,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 import mar_fixtures as F
+from reference import disa as RD
 from reference import lazymar as LZ
 from reference import mar as R
 from reference import marche as MC
@@ -50,9 +51,12 @@ atexit.register(shutil.rmtree, _WORKDIR, ignore_errors=True)
 _SPEC_GELU = ops.gelu   # the exact erf GELU; a mutation may patch ops.gelu for a while
 
 
+_SPEC_DISA = (RD.schedule_index, RD.kept_timesteps)   # a DiSA mutation patches one of these
+
+
 def reference_is_unmutated():
     """True when the references compute exactly the spec (no variant switched on)."""
-    return not R.MUTATION and ops.gelu is _SPEC_GELU
+    return not R.MUTATION and ops.gelu is _SPEC_GELU and (RD.schedule_index, RD.kept_timesteps) == _SPEC_DISA
 
 
 @dataclasses.dataclass
@@ -362,3 +366,28 @@ def _marche_defaults():
 
 
 MARCHE_DEFAULTS = _marche_defaults()
+
+
+# --------------------------------------------------------------------------
+# DiSA (tests/test_disa.py): the annealed sampler on the plain tiny model
+# --------------------------------------------------------------------------
+
+def _disa_annealed():
+    import marcache as mc
+
+    W, heads = weights("tiny")
+    # 6 AR steps, 14 -> 3 linear with the official clip: k = 14, 11, 9, 7, 5, 3 (clip
+    # collapses the top of the 14-step respacing), two images with CFG
+    policy = mc.DiSA(start=14, end=3, clip=950)
+    args = dict(labels=[5, 9], steps=6, cfg=3.0, temperature=0.9, seed=11, first_index=2)
+    return _add(Comparison(
+        name="disa_annealed[tiny]",
+        test="tests/test_disa.py::test_disa_comparison_matches_reference",
+        run_engine=lambda: model("tiny").generate_tokens(cache=policy, return_info=True, **args),
+        run_reference=lambda: RD.generate_tokens(W, np.array(args["labels"]), 2, args["steps"], args["cfg"], "linear",
+                                                 args["temperature"], args["seed"], args["first_index"], heads,
+                                                 14, 3, "linear", 950),
+        **token_tolerance("tiny")))
+
+
+DISA_ANNEALED = _disa_annealed()

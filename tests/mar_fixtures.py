@@ -142,3 +142,23 @@ def save_bf16(W, path, metadata=None):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
     return held
+
+
+def guard_generate_json(path, policies, diffusion_steps=100, **kw):
+    """Token lists of model.generate_tokens(cache=p, **kw) for each policy source text in
+    `policies`, computed on the guard backend in a child Python (so a host read of device
+    memory is a failing test, not a crash of the test process) that imports the same
+    marcache as this one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (f"import json, marcache as mc; m = mc.load({str(path)!r}, diffusion_steps={diffusion_steps}, "
+            f"device='guard'); print(json.dumps([m.generate_tokens(cache=p, **{kw!r}).tolist() "
+            f"for p in [{', '.join(policies)}]]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [np.array(t, np.float32) for t in json.loads(proc.stdout.strip().splitlines()[-1])]

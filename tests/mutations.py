@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
+from reference import disa as RD
 from reference import mar as R
 from reference import ops
 
@@ -64,6 +65,20 @@ HEAD_NET = "head_net[small_activations,t=50]"
 LAZY_V = "lazymar_head_cache[v_dominant_deep_head,T=300]"
 MARCHE_V = "marche_head_cache[v_dominant_deep_head,T=300]"
 LAZY_HEAD = "lazymar_head_cache[amplified,T=1]"
+DISA = "disa_annealed[tiny]"
+_SPEC_DISA_INDEX = RD.schedule_index
+_SPEC_DISA_KEPT = RD.kept_timesteps
+
+
+def disa_index_off_by_one(schedule, step, num_iter, lower, upper):
+    """DiSA's index formula with L (the list's length) where the official code has L - 1
+    (clamped into the list, as an implementation that indexes safely would)."""
+    return min(upper - lower, _SPEC_DISA_INDEX(schedule, step, num_iter, lower, upper + 1))
+
+
+def disa_clip_ignored(k, clip=None, T=1000):
+    """The respacing without DiSA's clip of the kept timesteps (the "default" sampler's)."""
+    return _SPEC_DISA_KEPT(k, None, T)
 MARCHE_HEAD = "marche_head_cache[amplified,T=1]"
 LAZY_TOKENS = "lazymar_token_cache[amplified]"
 MARCHE_ACTIVE = "marche_active_set[amplified]"
@@ -119,6 +134,11 @@ MUTATIONS = {
                                           {"marche_select_layer_early": True}),
     "marche_caching_not_forced": Mutation("caching rows (predicted at the previous step) not forced active",
                                           (MARCHE_ACTIVE,), {"marche_caching_not_forced": True}),
+    # ---- DiSA (disa.md): the schedule index formula and the clip of the kept timesteps
+    "disa_index_off_by_one": Mutation("DiSA index int(... * L) instead of int(... * (L - 1))", (DISA,),
+                                      patch=(RD, "schedule_index", disa_index_off_by_one)),
+    "disa_clip_ignored": Mutation("DiSA respacings without the clip at 950", (DISA,),
+                                  patch=(RD, "kept_timesteps", disa_clip_ignored)),
     "marche_attend_stale_kv": Mutation("active queries attend to the cache before their fresh K/V is written",
                                        (MARCHE_ACTIVE,), {"marche_attend_stale_kv": True}),
 }

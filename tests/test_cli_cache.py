@@ -42,7 +42,7 @@ def digits_model():
 
 def test_registry_holds_every_public_policy_class():
     assert cache_policies() == {"nocache": mc.NoCache, "lazymar": mc.LazyMAR, "marche": mc.MARche,
-                                "cfgfreelate": mc.CfgFreeLate, "fastvar": mc.FastVAR}
+                                "cfgfreelate": mc.CfgFreeLate, "fastvar": mc.FastVAR, "disa": mc.DiSA}
 
 
 def test_a_policy_field_that_holds_a_policy_takes_a_name_or_an_object():
@@ -50,6 +50,8 @@ def test_a_policy_field_that_holds_a_policy_takes_a_name_or_an_object():
     assert make_cache("cfgfreelate") == mc.CfgFreeLate()
     with pytest.raises(ValueError, match="unknown cache policy 'lazy'"):
         make_cache("cfgfreelate", ["inner=lazy"])
+    assert make_cache("disa", ["start=30", "clip=none", "schedule=cosine", "inner=lazymar"]) == \
+        mc.DiSA(start=30, clip=None, schedule="cosine", inner=mc.LazyMAR())
 
 
 def test_cache_options_are_typed_by_the_dataclass_fields():

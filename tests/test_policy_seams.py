@@ -7,7 +7,7 @@ import pytest
 
 import marcache as mc
 from marcache.policies import resolve
-from mar_fixtures import write_tiny_mar
+from mar_fixtures import guard_generate_json, write_tiny_mar
 from reference import cfgfree as RF
 from reference import mar as R
 from tolerance import assert_close
@@ -153,21 +153,10 @@ def test_driver_step_header(tiny):
 def test_cfgfree_composed_runs_on_the_guard_backend_with_the_cpu_bits(tiny, tmp_path):
     """The composing policy keeps host and device memory apart: on the guard backend
     (in a subprocess, so a fault is a failing test) it gives the CPU's bits."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     model, _ = tiny
     path = tmp_path / "t.safetensors"
     write_tiny_mar(path, seed=3, heads=HEADS, dim=16, depth=6, head_width=16, head_depth=6)
     kw = dict(labels=[1, 2], steps=6, cfg=2.5, seed=4)
-    policy = "mc.CfgFreeLate(after=0.6, inner=mc.LazyMAR(start=2, period=4))"
-    code = (f"import json, marcache as mc; m = mc.load({str(path)!r}, diffusion_steps=10, device='guard'); "
-            f"print(json.dumps(m.generate_tokens(cache={policy}, **{kw!r}).tolist()))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    guard = np.array(json.loads(proc.stdout.strip().splitlines()[-1]), np.float32)
+    [guard] = guard_generate_json(path, ["mc.CfgFreeLate(after=0.6, inner=mc.LazyMAR(start=2, period=4))"],
+                                  diffusion_steps=10, **kw)
     assert np.array_equal(guard, model.generate_tokens(cache=POLICIES["cfgfree+lazymar"], **kw))

@@ -251,6 +251,38 @@ static void timestep_frequencies(int32_t t, float *out) {
     }
 }
 
+/* The head's time embedding (time_embed MLP of the sinusoidal frequencies)
+ * of n timesteps into out [n, W] on the backend. */
+static mc_status embed_timesteps(mc_mar *m, const int32_t *timesteps, int64_t n, float *out, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t W = m->config.head_width;
+    float *host_freq = malloc((size_t)n * MAR_TIME_FREQ_DIM * sizeof(float));
+    if (host_freq == NULL)
+        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate timestep frequencies (%zu bytes)",
+                       (size_t)n * MAR_TIME_FREQ_DIM * sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        timestep_frequencies(timesteps[i], host_freq + i * MAR_TIME_FREQ_DIM);
+    mc_status st = MC_OK;
+    float *dev_freq = ops->alloc(be, (size_t)n * MAR_TIME_FREQ_DIM * sizeof(float), err);
+    float *hidden = dev_freq ? ops->alloc(be, (size_t)(n * W) * sizeof(float), err) : NULL;
+    if (dev_freq == NULL || hidden == NULL)
+        st = err->status;
+    if (st == MC_OK)
+        st = ops->upload(be, dev_freq, host_freq, (size_t)n * MAR_TIME_FREQ_DIM * sizeof(float), err);
+    if (st == MC_OK)
+        st = ops->linear(be, dev_freq, MAR_TIME_FREQ_DIM, n, MAR_TIME_FREQ_DIM, m->time_mlp0_w, m->time_mlp0_b, W,
+                         MC_ACT_SILU, 0.0f, hidden, W, err);
+    if (st == MC_OK)
+        st = ops->linear(be, hidden, W, n, W, m->time_mlp2_w, m->time_mlp2_b, W, MC_ACT_NONE, 0.0f, out, W, err);
+    free(host_freq);
+    if (dev_freq)
+        ops->release(be, dev_freq);
+    if (hidden)
+        ops->release(be, hidden);
+    return st;
+}
+
 static mc_status hoist_constants(mc_mar *m, const int32_t *timesteps, int64_t n_timesteps,
                                  mc_err *err) {
     mc_backend *be = m->backend;
@@ -264,35 +296,50 @@ static mc_status hoist_constants(mc_mar *m, const int32_t *timesteps, int64_t n_
     MC_TRY(ops->copy(be, m->dec_masked_rows, m->dec_pos, (size_t)(L * Dd) * sizeof(float), err));
     MC_TRY(ops->add_rows(be, m->dec_masked_rows, Dd, L, Dd, m->mask_token, Dd, 1, err));
 
+    for (int t = 0; t < MAR_BASE_TIMESTEPS; t++)
+        m->time_slot[t] = -1;
+    for (int64_t i = 0; i < n_timesteps; i++) {
+        if (timesteps[i] < 0 || timesteps[i] >= MAR_BASE_TIMESTEPS)
+            return mc_fail(err, MC_ERR_VALUE, "timestep %d out of 0..%d", (int)timesteps[i], MAR_BASE_TIMESTEPS - 1);
+        m->time_slot[timesteps[i]] = (int32_t)i;
+    }
     m->n_timesteps = n_timesteps;
     m->time_embeddings = model_buffer(m, (size_t)(n_timesteps * W), err);
     if (m->time_embeddings == NULL)
         return err->status;
-    float *host_freq = malloc((size_t)n_timesteps * MAR_TIME_FREQ_DIM * sizeof(float));
-    if (host_freq == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate timestep frequencies");
-    for (int64_t i = 0; i < n_timesteps; i++)
-        timestep_frequencies(timesteps[i], host_freq + i * MAR_TIME_FREQ_DIM);
-    mc_status st = MC_OK;
-    float *dev_freq = ops->alloc(be, (size_t)n_timesteps * MAR_TIME_FREQ_DIM * sizeof(float), err);
-    float *hidden = ops->alloc(be, (size_t)(n_timesteps * W) * sizeof(float), err);
-    if (dev_freq == NULL || hidden == NULL)
-        st = err->status;
-    if (st == MC_OK)
-        st = ops->upload(be, dev_freq, host_freq,
-                         (size_t)n_timesteps * MAR_TIME_FREQ_DIM * sizeof(float), err);
-    if (st == MC_OK)
-        st = ops->linear(be, dev_freq, MAR_TIME_FREQ_DIM, n_timesteps, MAR_TIME_FREQ_DIM,
-                         m->time_mlp0_w, m->time_mlp0_b, W, MC_ACT_SILU, 0.0f, hidden, W, err);
-    if (st == MC_OK)
-        st = ops->linear(be, hidden, W, n_timesteps, W, m->time_mlp2_w, m->time_mlp2_b, W,
-                         MC_ACT_NONE, 0.0f, m->time_embeddings, W, err);
-    free(host_freq);
-    if (dev_freq)
-        ops->release(be, dev_freq);
-    if (hidden)
-        ops->release(be, hidden);
-    return st;
+    return embed_timesteps(m, timesteps, n_timesteps, m->time_embeddings, err);
+}
+
+mc_status mc_mar_prepare_time_embeddings(mc_mar *m, const int32_t *timesteps, int64_t n, mc_err *err) {
+    int missing = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (timesteps[i] < 0 || timesteps[i] >= MAR_BASE_TIMESTEPS)
+            return mc_fail(err, MC_ERR_VALUE, "timestep %d out of 0..%d", (int)timesteps[i], MAR_BASE_TIMESTEPS - 1);
+        missing |= m->time_slot[timesteps[i]] < 0;
+    }
+    if (!missing || m->base_time_embeddings != NULL)
+        return MC_OK;
+    /* All base timesteps at once, whatever was asked: a timestep's bits then
+     * do not depend on which runs came before (a GEMM's rounding may depend
+     * on its row count). */
+    int32_t every[MAR_BASE_TIMESTEPS];
+    for (int t = 0; t < MAR_BASE_TIMESTEPS; t++)
+        every[t] = t;
+    float *table = model_buffer(m, (size_t)(MAR_BASE_TIMESTEPS * m->config.head_width), err);
+    if (table == NULL)
+        return err->status;
+    MC_TRY(embed_timesteps(m, every, MAR_BASE_TIMESTEPS, table, err));
+    m->base_time_embeddings = table;
+    return MC_OK;
+}
+
+const float *mc_mar_time_embedding(const mc_mar *m, int32_t timestep) {
+    if (timestep < 0 || timestep >= MAR_BASE_TIMESTEPS)
+        return NULL;
+    const int64_t W = m->config.head_width;
+    if (m->time_slot[timestep] >= 0)
+        return m->time_embeddings + (int64_t)m->time_slot[timestep] * W;
+    return m->base_time_embeddings ? m->base_time_embeddings + (int64_t)timestep * W : NULL;
 }
 
 mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override,
@@ -650,15 +697,15 @@ mc_status mc_mar_head_activations(mc_mar *m, int64_t rows, mc_mar_head_acts *b, 
 }
 
 mc_status mc_mar_head_embed(mc_mar *m, const mc_mar_head_acts *b, const float *x, int64_t rows,
-                            int x_duplicated, const float *c_emb, int64_t t_index, mc_err *err) {
+                            int x_duplicated, const float *c_emb, const float *t_emb, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const int64_t W = m->config.head_width, C = m->config.token_channels;
-    if (t_index < 0 || t_index >= m->n_timesteps)
-        return mc_fail(err, MC_ERR_INTERNAL, "head: timestep index %lld out of range", (long long)t_index);
+    if (t_emb == NULL)
+        return mc_fail(err, MC_ERR_INTERNAL, "head: the timestep's embedding was not prepared");
     /* SiLU(t_emb + c_emb) feeds every adaLN modulation. */
     MC_TRY(ops->copy(be, b->y, c_emb, (size_t)(rows * W) * sizeof(float), err));
-    MC_TRY(ops->add_rows(be, b->y, W, rows, W, m->time_embeddings + t_index * W, W, 1, err));
+    MC_TRY(ops->add_rows(be, b->y, W, rows, W, t_emb, W, 1, err));
     MC_TRY(ops->activation(be, MC_ACT_SILU, b->y, W, rows, W, err));
     int64_t x_rows = x_duplicated ? rows / 2 : rows;
     MC_TRY(ops->linear(be, x, C, x_rows, C, m->input_proj_w, m->input_proj_b, W, MC_ACT_NONE, 0.0f,
@@ -705,11 +752,11 @@ mc_status mc_mar_head_final(mc_mar *m, const mc_mar_head_acts *b, int64_t rows, 
 }
 
 mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated,
-                              const float *c_emb, int64_t t_index, float *out, mc_err *err) {
+                              const float *c_emb, const float *t_emb, float *out, mc_err *err) {
     const int64_t W = m->config.head_width;
     mc_mar_head_acts b;
     MC_TRY(mc_mar_head_activations(m, rows, &b, err));
-    MC_TRY(mc_mar_head_embed(m, &b, x, rows, x_duplicated, c_emb, t_index, err));
+    MC_TRY(mc_mar_head_embed(m, &b, x, rows, x_duplicated, c_emb, t_emb, err));
     for (int64_t j = 0; j < m->config.head_depth; j++) {
         MC_TRY(mc_mar_head_block_mlp(m, j, &b, rows, err));
         MC_TRY(m->backend->ops->gated_add(m->backend, b.h, W, b.u, W, b.ada + 2 * W, 3 * W, rows, W, err));

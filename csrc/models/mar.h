@@ -12,6 +12,9 @@
 #include "../io/bind.h"
 #include "../io/safetensors.h"
 
+/* The diffusion head's training timesteps (the official cosine DDPM's 1000). */
+#define MAR_BASE_TIMESTEPS 1000
+
 typedef struct mc_mar_config {
     int64_t width;          /* encoder width D */
     int64_t enc_depth;
@@ -91,6 +94,11 @@ typedef struct mc_mar {
     float *dec_masked_rows; /* [P + S, Dd] */
     float *time_embeddings; /* [n_timesteps, W] */
     int64_t n_timesteps;
+    int32_t time_slot[MAR_BASE_TIMESTEPS]; /* row of a base timestep in time_embeddings, or -1 */
+    /* Every base timestep's embedding [1000, W], made on first need by
+     * mc_mar_prepare_time_embeddings (a policy that runs other timesteps than
+     * the hoisted ones, e.g. DiSA's respacings); NULL until then. */
+    float *base_time_embeddings;
 
     mc_mar_acts acts;
     mc_mar_attached runtime; /* runtime/mar_workspace.h */
@@ -103,6 +111,14 @@ typedef struct mc_mar {
  * diffusion indices the head will see (tau_j), precomputed into embeddings. */
 mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override,
                       const int32_t *timesteps, int64_t n_timesteps, mc_mar **out, mc_err *err);
+/* Makes sure every timestep in `timesteps` has an embedding: the hoisted
+ * ones have; for any other the table of all 1000 base timesteps is computed
+ * once (before a run: it allocates). */
+mc_status mc_mar_prepare_time_embeddings(mc_mar *mar, const int32_t *timesteps, int64_t n, mc_err *err);
+/* The embedding row [W] (backend) of base timestep `timestep`: the hoisted
+ * row when it has one (so the model's own timesteps keep their bits), else
+ * the base table's; NULL when not prepared. */
+const float *mc_mar_time_embedding(const mc_mar *mar, int32_t timestep);
 void mc_mar_free(mc_mar *mar);
 int64_t mc_mar_num_params(const mc_mar *mar);
 
@@ -173,13 +189,13 @@ mc_status mc_mar_transformer_ex(mc_mar *mar, const mc_mar_batch *batch, const in
 mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t n, float *out,
                                mc_err *err);
 
-/* The head network on N rows at timestep index `t_index` (into the hoisted
- * timesteps): out[N, 2C] = net(x, tau, c) where c_emb = cond_embed(c) was
+/* The head network on N rows at the timestep whose embedding row is `t_emb`
+ * (mc_mar_time_embedding): out[N, 2C] = net(x, tau, c) where c_emb = cond_embed(c) was
  * computed by mc_mar_head_cond. x_rows = N, or N/2 with x_duplicated
  * (the CFG wrapper feeds [x; x]). */
 mc_status mc_mar_head_cond(mc_mar *mar, const float *z, int64_t rows, float *c_emb, mc_err *err);
 mc_status mc_mar_head_forward(mc_mar *mar, const float *x, int64_t rows, int x_duplicated,
-                              const float *c_emb, int64_t t_index, float *out, mc_err *err);
+                              const float *c_emb, const float *t_emb, float *out, mc_err *err);
 
 /* The head's activations for `rows` rows (model workspace, grow-only): y =
  * SiLU(t_emb + c_emb), ada = adaLN modulation, h = the residual stream, u
@@ -194,7 +210,7 @@ typedef struct mc_mar_head_acts {
 mc_status mc_mar_head_activations(mc_mar *mar, int64_t rows, mc_mar_head_acts *acts, mc_err *err);
 /* y and h = input_proj(x) (x duplicated into both CFG halves when asked). */
 mc_status mc_mar_head_embed(mc_mar *mar, const mc_mar_head_acts *acts, const float *x, int64_t rows,
-                            int x_duplicated, const float *c_emb, int64_t t_index, mc_err *err);
+                            int x_duplicated, const float *c_emb, const float *t_emb, mc_err *err);
 /* Res block j: ada = adaLN(y) [rows, 3W], u = MLP(LN(h) modulated) [rows, W]; the
  * caller adds u gated by ada + 2W to h (ops->gated_add). */
 mc_status mc_mar_head_block_mlp(mc_mar *mar, int64_t j, const mc_mar_head_acts *acts, int64_t rows,

@@ -4,6 +4,7 @@
 #include "py_numpy.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../runtime/mar_workspace.h"
@@ -98,14 +99,14 @@ static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char 
  * cached step as int32 [sequences, rows]. */
 static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
     const mc_mar_step_tail *s = opaque;
-    PyObject *tail = Py_BuildValue("{s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:O}", "masked_before",
+    PyObject *tail = Py_BuildValue("{s:L,s:L,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:O,s:i}", "masked_before",
                                    (long long)s->masked_before, "predicted", (long long)s->predicted, "cfg",
                                    (double)s->cfg, "encoder_rows", (long long)s->encoder_rows, "decoder_rows",
                                    (long long)s->decoder_rows, "decoder_kept_rows", (long long)s->decoder_kept_rows,
                                    "head_rows", (long long)s->head_rows, "head_evaluations",
                                    (long long)s->head_evaluations, "head_cached_evaluations",
                                    (long long)s->head_cached_evaluations, "head_graph",
-                                   s->head_graph ? Py_True : Py_False);
+                                   s->head_graph ? Py_True : Py_False, "diffusion_steps", s->diffusion_steps);
     int rc = tail == NULL ? -1 : PyDict_Update(d, tail);
     Py_XDECREF(tail);
     if (rc == 0 && *(const int *)trace_rows && s->kept_rows != NULL) {
@@ -380,7 +381,8 @@ static PyObject *mar_head(PyMAR *self, PyObject *args) {
     if (st == MC_OK)
         st = mc_mar_head_cond(mar, d_z, N, d_c, &err);
     if (st == MC_OK)
-        st = mc_mar_head_forward(mar, d_x, N, 0, d_c, t_index, d_out, &err);
+        st = mc_mar_head_forward(mar, d_x, N, 0, d_c, mc_mar_time_embedding(mar, self->diffusion.timesteps[t_index]),
+                                 d_out, &err);
     if (st == MC_OK)
         st = be->ops->download(be, PyArray_DATA(out), d_out, (size_t)(N * 2 * C) * sizeof(float), &err);
     Py_END_ALLOW_THREADS
@@ -544,7 +546,72 @@ static PyTypeObject PyMAR_Type = {
     .tp_new = PyType_GenericNew,
 };
 
+/* diffusion_tables(steps, clip=999) -> dict of the engine's respaced float64
+ * tables (runtime/diffusion.c), for tests against a float64 reference. */
+static PyObject *diffusion_tables(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *keywords[] = {"steps", "clip", NULL};
+    int steps = 0, clip = MC_DIFFUSION_BASE_STEPS - 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|i", keywords, &steps, &clip))
+        return NULL;
+    mc_diffusion *d = malloc(sizeof *d);
+    if (d == NULL)
+        return mcpy_no_memory("diffusion tables", sizeof *d);
+    mc_err err = {0};
+    if (mc_diffusion_init_clipped(d, steps, clip, &err) != MC_OK) {
+        free(d);
+        return mcpy_raise(&err);
+    }
+    const struct {
+        const char *name;
+        const double *values;
+    } tables[] = {
+        {"betas", d->betas},
+        {"alphas_cumprod", d->alphas_cumprod},
+        {"sqrt_recip_alphas_cumprod", d->sqrt_recip_alphas_cumprod},
+        {"sqrt_recipm1_alphas_cumprod", d->sqrt_recipm1_alphas_cumprod},
+        {"posterior_variance", d->posterior_variance},
+        {"posterior_log_variance_clipped", d->posterior_log_variance_clipped},
+        {"posterior_mean_coef1", d->posterior_mean_coef1},
+        {"posterior_mean_coef2", d->posterior_mean_coef2},
+        {"log_betas", d->log_betas},
+    };
+    npy_intp n = d->n_steps;
+    PyObject *out = PyDict_New();
+    PyObject *tau = out ? PyArray_SimpleNew(1, &n, NPY_INT32) : NULL;
+    int ok = tau != NULL;
+    if (ok) {
+        memcpy(PyArray_DATA((PyArrayObject *)tau), d->timesteps, (size_t)n * sizeof(int32_t));
+        ok = PyDict_SetItemString(out, "timesteps", tau) == 0;
+    }
+    Py_XDECREF(tau);
+    for (size_t i = 0; ok && i < sizeof tables / sizeof tables[0]; i++) {
+        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT64);
+        ok = arr != NULL;
+        if (ok) {
+            memcpy(PyArray_DATA((PyArrayObject *)arr), tables[i].values, (size_t)n * sizeof(double));
+            ok = PyDict_SetItemString(out, tables[i].name, arr) == 0;
+        }
+        Py_XDECREF(arr);
+    }
+    free(d);
+    if (!ok) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static PyMethodDef mar_module_methods[] = {
+    {"diffusion_tables", (PyCFunction)(void (*)(void))diffusion_tables, METH_VARARGS | METH_KEYWORDS,
+     "diffusion_tables(steps, clip=999): the engine's respaced DDPM tables (float64) of `steps` steps, kept "
+     "timesteps clipped at `clip` (DiSA)"},
+    {NULL, NULL, 0, NULL},
+};
+
 int mcpy_mar_init(PyObject *module) {
+    if (PyModule_AddFunctions(module, mar_module_methods) < 0)
+        return -1;
     if (PyType_Ready(&PyMAR_Type) < 0)
         return -1;
     Py_INCREF(&PyMAR_Type);

@@ -37,18 +37,14 @@ static mc_status cfgfree_check(const void *config, const mc_mar_config *model, m
     const mc_cfgfree_config *cfg = config;
     if (!(cfg->after >= 0.0 && cfg->after <= 1.0))
         return mc_fail(err, MC_ERR_VALUE, "CfgFreeLate: after must be in [0, 1], got %g", cfg->after);
-    if (cfg->inner.schema == NULL || cfg->inner.config == NULL)
-        return mc_fail(err, MC_ERR_VALUE, "CfgFreeLate: no inner policy");
-    const mc_mar_policy_ops *inner = mc_mar_policy_of(cfg->inner.schema);
-    return inner->check(cfg->inner.config, model, err);
+    return mc_mar_inner_check(&cfg->inner, "CfgFreeLate", model, err);
 }
 
 static void cfgfree_free(void *state) {
     cfgfree_state *s = state;
     if (s == NULL)
         return;
-    if (s->inner.state != NULL)
-        s->inner.ops->free(s->inner.state);
+    mc_mar_inner_free(&s->inner);
     free(s);
 }
 
@@ -60,8 +56,7 @@ static mc_status cfgfree_create(mc_mar *mar, const void *config, const mc_mar_ru
     if (s == NULL)
         return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CfgFreeLate state");
     s->after = cfg->after;
-    s->inner.ops = mc_mar_policy_of(cfg->inner.schema);
-    mc_status st = s->inner.ops->create(mar, cfg->inner.config, run, &s->inner.state, err);
+    mc_status st = mc_mar_inner_create(&s->inner, mar, &cfg->inner, run, err);
     if (st == MC_OK)
         *state = s;
     else

@@ -8,9 +8,15 @@ static double cosine_alpha_bar(double t) {
 }
 
 mc_status mc_diffusion_init(mc_diffusion *d, int n_steps, mc_err *err) {
+    return mc_diffusion_init_clipped(d, n_steps, MC_DIFFUSION_BASE_STEPS - 1, err);
+}
+
+mc_status mc_diffusion_init_clipped(mc_diffusion *d, int n_steps, int clip, mc_err *err) {
     if (n_steps < 1 || n_steps > MC_DIFFUSION_MAX_STEPS)
         return mc_fail(err, MC_ERR_VALUE, "diffusion_steps must be in 1..%d, got %d",
                        MC_DIFFUSION_MAX_STEPS, n_steps);
+    if (clip < 0 || clip > MC_DIFFUSION_BASE_STEPS - 1)
+        return mc_fail(err, MC_ERR_VALUE, "clip must be in 0..%d, got %d", MC_DIFFUSION_BASE_STEPS - 1, clip);
     const int T = MC_DIFFUSION_BASE_STEPS;
     double base_cumprod[MC_DIFFUSION_BASE_STEPS];
     double running = 1.0;
@@ -25,10 +31,17 @@ mc_status mc_diffusion_init(mc_diffusion *d, int n_steps, mc_err *err) {
      * nearbyint's default mode) of a repeatedly incremented float. */
     double stride = n_steps > 1 ? (double)(T - 1) / (double)(n_steps - 1) : 1.0;
     double cursor = 0.0;
+    int kept = 0;
     for (int j = 0; j < n_steps; j++) {
-        d->timesteps[j] = (int32_t)nearbyint(cursor);
+        int32_t t = (int32_t)nearbyint(cursor);
         cursor += stride;
+        /* The timesteps rise with j, so clipped duplicates are adjacent. */
+        if (t > clip)
+            t = (int32_t)clip;
+        if (kept == 0 || d->timesteps[kept - 1] != t)
+            d->timesteps[kept++] = t;
     }
+    n_steps = kept;
     d->n_steps = n_steps;
     double last = 1.0;
     for (int j = 0; j < n_steps; j++) {

@@ -28,6 +28,13 @@ typedef struct mc_diffusion {
 /* n_steps in [1, 1000] ("100" in every released config). */
 mc_status mc_diffusion_init(mc_diffusion *d, int n_steps, mc_err *err);
 
+/* The same respacing with DiSA's clip of the kept timesteps (disa.md): every
+ * kept timestep t becomes min(t, clip) and the kept set stays a set, so the
+ * timesteps above `clip` collapse into one and d->n_steps may be smaller than
+ * `n_steps` (50 steps, clip 950: 48). clip in [0, 999]; 999 clips nothing, and
+ * mc_diffusion_init is this function with clip 999. */
+mc_status mc_diffusion_init_clipped(mc_diffusion *d, int n_steps, int clip, mc_err *err);
+
 /* The float32 coefficients of reverse step j with the given noise scale. */
 mc_ddpm_coefs mc_diffusion_coefs(const mc_diffusion *d, int j, float noise_scale);
 

@@ -66,7 +66,7 @@ mc_status mc_head_cache_plan(mc_head_cache_state *hc, int64_t live_rows, int n_s
     if (!hc->cfg.head_cache)
         return MC_OK;
     MC_TRY(mc_head_cache_reserve(hc, live_rows, err));
-    if (hc->n_modes != n_steps) {
+    if (hc->n_modes < n_steps) { /* grow-only: DiSA changes the step count between AR steps */
         mc_head_mode *fresh = realloc(hc->modes, (size_t)n_steps * sizeof *fresh);
         if (fresh == NULL)
             return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the head schedule");
@@ -87,9 +87,9 @@ mc_status mc_head_cache_plan(mc_head_cache_state *hc, int64_t live_rows, int n_s
 }
 
 mc_status mc_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplicated, const float *c_emb,
-                          int64_t t_index, float *out, const mc_head_cache *cache, mc_head_mode mode, mc_err *err) {
+                          const float *t_emb, float *out, const mc_head_cache *cache, mc_head_mode mode, mc_err *err) {
     if (cache == NULL || mode == MC_HEAD_PLAIN)
-        return mc_mar_head_forward(m, x, rows, x_duplicated, c_emb, t_index, out, err);
+        return mc_mar_head_forward(m, x, rows, x_duplicated, c_emb, t_emb, out, err);
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const int64_t W = m->config.head_width, live = cache->live_rows;
@@ -97,7 +97,7 @@ mc_status mc_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplica
         return mc_fail(err, MC_ERR_INTERNAL, "head: cached evaluation needs the live rows only");
     mc_mar_head_acts a;
     MC_TRY(mc_mar_head_activations(m, rows, &a, err));
-    MC_TRY(mc_mar_head_embed(m, &a, x, rows, x_duplicated, c_emb, t_index, err));
+    MC_TRY(mc_mar_head_embed(m, &a, x, rows, x_duplicated, c_emb, t_emb, err));
     for (int64_t j = 0; j < m->config.head_depth; j++) {
         const int skipped = j >= cache->skip_first && j <= cache->skip_last;
         if (skipped && mode != MC_HEAD_STORE) {

@@ -10,6 +10,7 @@
 
 #include "../models/mar.h"
 #include "config_fields.h"
+#include "diffusion.h"
 
 typedef enum mc_head_mode {
     MC_HEAD_PLAIN = 0, /* the network as published, nothing stored */
@@ -52,6 +53,10 @@ typedef struct mc_mar_head_plan {
     const mc_head_cache *cache; /* NULL: no head cache (every step plain) */
     const mc_head_mode *modes;  /* [n_diffusion_steps], indexed by diffusion index j; NULL: all plain */
     int guidance_off;           /* sample the conditional rows without CFG (the step's z has no uncond rows) */
+    /* The respaced DDPM this AR step samples with (DiSA), its timesteps'
+     * embeddings prepared; NULL: the run's own (the model's diffusion_steps).
+     * `modes` then has diffusion->n_steps entries. */
+    const mc_diffusion *diffusion;
 } mc_mar_head_plan;
 
 /* A policy's head-cache state. */
@@ -61,7 +66,7 @@ typedef struct mc_head_cache_state {
     float *buffer;         /* [head_depth, live rows, W], grow-only */
     size_t buffer_floats;
     float **blocks;        /* [head_depth] pointers into buffer */
-    mc_head_mode *modes;   /* [n_modes] */
+    mc_head_mode *modes;   /* [n_modes]: capacity; a step's plan fills its n_steps first entries */
     int n_modes;
     mc_head_cache cache;
 } mc_head_cache_state;
@@ -76,9 +81,10 @@ mc_status mc_head_cache_reserve(mc_head_cache_state *hc, int64_t live_rows, mc_e
 mc_status mc_head_cache_plan(mc_head_cache_state *hc, int64_t live_rows, int n_steps, mc_mar_head_plan *plan,
                              mc_err *err);
 
-/* One head evaluation in `mode` (cache may be NULL for MC_HEAD_PLAIN):
+/* One head evaluation in `mode` at the timestep whose embedding row is
+ * t_emb (mc_mar_time_embedding; cache may be NULL for MC_HEAD_PLAIN):
  * out [rows, 2C]. In the cached modes rows must be the live rows. */
 mc_status mc_head_forward(mc_mar *mar, const float *x, int64_t rows, int x_duplicated, const float *c_emb,
-                          int64_t t_index, float *out, const mc_head_cache *cache, mc_head_mode mode, mc_err *err);
+                          const float *t_emb, float *out, const mc_head_cache *cache, mc_head_mode mode, mc_err *err);
 
 #endif

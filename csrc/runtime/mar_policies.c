@@ -7,12 +7,14 @@
 #include "mar_policy.h"
 
 extern const mc_mar_policy_ops mc_cfgfree_policy;
+extern const mc_mar_policy_ops mc_disa_policy;
 
 const mc_mar_policy_ops *const mc_mar_policies[] = {
     &mc_nocache_policy,
     &mc_lazymar_policy,
     &mc_marche_policy,
     &mc_cfgfree_policy,
+    &mc_disa_policy,
     NULL,
 };
 
@@ -26,4 +28,22 @@ const mc_mar_policy_ops *mc_mar_policy_find(const char *name) {
 const mc_config_schema *mc_mar_policy_schema(const char *name) {
     const mc_mar_policy_ops *ops = mc_mar_policy_find(name);
     return ops ? &ops->schema : NULL;
+}
+
+mc_status mc_mar_inner_check(const mc_policy_ref *ref, const char *outer, const mc_mar_config *model, mc_err *err) {
+    if (ref->schema == NULL || ref->config == NULL)
+        return mc_fail(err, MC_ERR_VALUE, "%s: no inner policy", outer);
+    return mc_mar_policy_of(ref->schema)->check(ref->config, model, err);
+}
+
+mc_status mc_mar_inner_create(mc_mar_policy *inner, mc_mar *mar, const mc_policy_ref *ref,
+                              const mc_mar_run_shape *run, mc_err *err) {
+    inner->ops = mc_mar_policy_of(ref->schema);
+    return inner->ops->create(mar, ref->config, run, &inner->state, err);
+}
+
+void mc_mar_inner_free(mc_mar_policy *inner) {
+    if (inner->state != NULL)
+        inner->ops->free(inner->state);
+    inner->state = NULL;
 }

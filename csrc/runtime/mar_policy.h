@@ -96,6 +96,14 @@ static inline const mc_mar_policy_ops *mc_mar_policy_of(const mc_config_schema *
 
 extern const mc_mar_policy_ops mc_nocache_policy;
 
+/* The inner policy of a composing policy (CfgFreeLate, DiSA), from its config
+ * reference: checked (`outer` names the composing policy in the message),
+ * made for a run, freed (a no-op when never made). */
+mc_status mc_mar_inner_check(const mc_policy_ref *ref, const char *outer, const mc_mar_config *model, mc_err *err);
+mc_status mc_mar_inner_create(mc_mar_policy *inner, mc_mar *mar, const mc_policy_ref *ref,
+                              const mc_mar_run_shape *run, mc_err *err);
+void mc_mar_inner_free(mc_mar_policy *inner);
+
 /* The plain transformer on step->out_rows: what NoCache runs on every step
  * and the other policies on full steps that fill nothing. */
 mc_status mc_mar_plain_transformer(mc_mar *mar, const mc_mar_step *step, float *z, mc_mar_transformer_stats *stats,

@@ -81,7 +81,8 @@ static mc_status head_step(head_loop *h, int j, mc_err *err) {
     const int64_t n = h->n, C = h->mar->config.token_channels;
     const mc_head_mode mode = head_step_mode(h, j);
     const int full = mc_head_mode_full(mode);
-    MC_TRY(mc_head_forward(h->mar, h->state, full ? h->rows : n, full && h->cfg_on, h->c_emb, j, h->out,
+    const float *t_emb = mc_mar_time_embedding(h->mar, h->diffusion->timesteps[j]);
+    MC_TRY(mc_head_forward(h->mar, h->state, full ? h->rows : n, full && h->cfg_on, h->c_emb, t_emb, h->out,
                            h->plan.cache, mode, err));
     const float *eps_used = h->out;
     int64_t ld_eps = 2 * C;
@@ -145,7 +146,8 @@ mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, cons
         return MC_OK;
     head_loop h = {0};
     h.mar = mar;
-    h.diffusion = diffusion;
+    /* A policy may sample this AR step with its own respacing (DiSA). */
+    h.diffusion = call->plan.diffusion != NULL ? call->plan.diffusion : diffusion;
     h.n = n;
     h.rows = call->cfg_on ? 2 * n : n;
     h.cfg_on = call->cfg_on;
@@ -176,7 +178,8 @@ mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, cons
     /* Initial noise is not scaled by temperature (mar.md 6.5). */
     MC_TRY(ops->token_normals(be, call->seed, MC_STREAM_HEAD_INIT, 0, d_images, d_positions, n, (int)C, h.state,
                               err));
-    const int T = diffusion->n_steps;
+    const int T = h.diffusion->n_steps;
+    stats->diffusion_steps = T;
     for (int j = T - 1; j >= 0; j--)
         head_step_stats(&h, j, stats);
     /* The first step runs directly: it is a full evaluation, so it sizes
@@ -456,6 +459,7 @@ static mc_status run_step(void *opaque, int step, mc_step_header *header, const 
         .head_evaluations = hstats.full_evaluations + hstats.cached_evaluations,
         .head_cached_evaluations = hstats.cached_evaluations,
         .head_graph = hstats.graph,
+        .diffusion_steps = hstats.diffusion_steps,
         .kept_rows = n_head ? tstats.kept_rows : NULL,
         .kept_sequences = tstats.kept_sequences,
         .kept_per_sequence = tstats.kept_per_sequence,

@@ -29,6 +29,7 @@ typedef struct mc_mar_step_tail {
     int64_t head_evaluations; /* diffusion steps run */
     int64_t head_cached_evaluations; /* of which ran from the head cache */
     int head_graph;           /* the head's later diffusion steps ran as a recorded graph */
+    int diffusion_steps;      /* respaced DDPM steps the head sampled with (0 on a step that predicts nothing) */
     const int32_t *kept_rows; /* see mc_mar_transformer_stats; valid during the callback only */
     int64_t kept_sequences, kept_per_sequence;
 } mc_mar_step_tail;
@@ -72,6 +73,7 @@ typedef struct mc_head_stats {
     int64_t full_evaluations, cached_evaluations;
     double flops;
     int graph; /* 1 when the diffusion steps after the first ran as one recorded graph */
+    int diffusion_steps; /* of the respacing used (the policy's or the run's) */
 } mc_head_stats;
 
 /* One AR step's head sampling, with the policy's head plan. */

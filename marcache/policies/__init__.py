@@ -17,6 +17,10 @@ from .cfgfree import CfgFreeLate  # noqa: E402  (composes the policies above)
 
 POLICIES += (CfgFreeLate, FastVAR)
 
+from .disa import DiSA  # noqa: E402  (composes the policies above)
+
+POLICIES += (DiSA,)
+
 
 def resolve(cache, family="mar"):
     """The validated policy a model of `family` runs (None means NoCache)."""
@@ -32,4 +36,4 @@ def resolve(cache, family="mar"):
     raise TypeError(f"cache must be None or one of {names}, got {cache!r}")
 
 
-__all__ = ["NoCache", "LazyMAR", "MARche", "CfgFreeLate", "FastVAR", "RETENTION_64", "POLICIES", "resolve"]
+__all__ = ["NoCache", "LazyMAR", "MARche", "CfgFreeLate", "DiSA", "FastVAR", "RETENTION_64", "POLICIES", "resolve"]

@@ -18,7 +18,9 @@ def guidance_free(step, steps, after):
 
 def generate_tokens(W, labels, num_images, steps, cfg, cfg_schedule, temperature, seed, first_index, heads,
                     after, tables=None):
-    """Tokens float32 [num_images, S, C] and a log with one dict per step (step, guided)."""
+    """Tokens float32 [num_images, S, C] and a log with one dict per step (step, guided).
+    tables: MAR's diffusion tables (default 100 steps), or a function of the AR step giving
+    that step's tables (DiSA's reference, disa.py, samples each step with its respacing)."""
     sz = R.model_sizes(W)
     S, C = sz["seq_len"], sz["token_channels"]
     B = int(num_images)
@@ -41,7 +43,9 @@ def generate_tokens(W, labels, num_images, steps, cfg, cfg_schedule, temperature
             z_sel = np.concatenate([z_sel, z[B + rows_b, rows_pos]])
         cfg_iter = R.cfg_schedule(cfg, cfg_schedule, mask_len, S) if guided else 1.0
         if n_pred > 0:
-            sampled = R.head_sample(W, z_sel, first_index + rows_b, rows_pos, seed, temperature, cfg_iter, tables)
+            step_tables = tables(k) if callable(tables) else tables
+            sampled = R.head_sample(W, z_sel, first_index + rows_b, rows_pos, seed, temperature, cfg_iter,
+                                    step_tables)
             tokens[rows_b, rows_pos] = sampled.astype(np.float32)
         log.append(dict(step=k, guided=guided, cfg_iter=cfg_iter))
     return tokens, log
