@@ -3,8 +3,9 @@
 Each load runs in a fresh child process: `import marcache`, then `marcache.load` of a
 MAR-B or MAR-L file (random float32 weights in the official layout) with dtype fp32 or
 bf16, or the KL-16 VAE (`marcache._C.VAE`). The child reports its peak RSS over its
-whole life (getrusage ru_maxrss: interpreter, NumPy and OpenBLAS included), its RSS
-before the load and after it (settled), and the bytes the loaded weights hold
+whole life (VmHWM of /proc/self/status: interpreter, NumPy and OpenBLAS included; not
+getrusage's ru_maxrss, which Linux carries over from the parent's memory at fork and
+exec), its RSS before the load and after it (settled), and the bytes the loaded weights hold
 (`weight_bytes`). Target: peak <= 1.15 x weights + 100 MiB.
 
     python benchmarks/bench_load.py                        # this checkout's build
@@ -30,7 +31,7 @@ FILES = {"mar_base": "mar_base_random.safetensors", "mar_large": "mar_large_rand
          "vae": "vae_kl16_random.safetensors"}
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 
 def rss_kib(key):
     with open("/proc/self/status") as f:
@@ -50,7 +51,7 @@ else:
     model = mc.load(path, dtype=dtype)
     weight_bytes = getattr(model._mar, "weight_bytes", None)
 seconds = time.perf_counter() - t0
-print(json.dumps({"before_kib": before, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+print(json.dumps({"before_kib": before, "peak_kib": rss_kib("VmHWM"),
                   "settled_kib": rss_kib("VmRSS"), "weight_bytes": weight_bytes, "seconds": seconds,
                   "marcache": mc.__file__}))
 """

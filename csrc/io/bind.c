@@ -59,20 +59,28 @@ mc_status mc_alloc_list_push(mc_alloc_list *list, void *ptr, size_t bytes, mc_er
     return MC_OK;
 }
 
-/* "[2, 3]" for messages; "[]" for a scalar. */
-static const char *shape_text(const int64_t *shape, int ndim, char *buf, size_t size) {
-    size_t used = 0;
-    int n = snprintf(buf, size, "[");
-    used = n > 0 ? (size_t)n : 0;
-    for (int d = 0; d < ndim && used < size; d++) {
-        n = snprintf(buf + used, size - used, d ? ", %lld" : "%lld", (long long)shape[d]);
-        if (n < 0)
-            break;
-        used += (size_t)n;
+/* The tensor `name`, which must have exactly shape[0..ndim); NULL with the
+ * error set otherwise (missing key -> MC_ERR_KEY, other shape -> MC_ERR_VALUE,
+ * both naming the file, the key and the shapes). */
+static const mc_st_tensor *find_with_shape(mc_loader *ld, const char *name, int ndim, const int64_t *shape) {
+    char expected[256], actual[256];
+    const char *path = ld->file->path;
+    const mc_st_tensor *t = mc_st_find(ld->file, name);
+    if (t == NULL) {
+        mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
+                mc_st_shape_text(shape, ndim, expected, sizeof expected));
+        return NULL;
     }
-    if (used < size)
-        snprintf(buf + used, size - used, "]");
-    return buf;
+    int same = (t->ndim == ndim);
+    for (int d = 0; same && d < ndim; d++)
+        same = (t->shape[d] == shape[d]);
+    if (!same) {
+        mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
+                mc_st_shape_text(t->shape, t->ndim, actual, sizeof actual),
+                mc_st_shape_text(shape, ndim, expected, sizeof expected));
+        return NULL;
+    }
+    return t;
 }
 
 /* Grow-only host buffer for conversions; contents are not preserved. */
@@ -171,20 +179,11 @@ static mc_status stream_tensor(mc_loader *ld, const mc_st_tensor *t, mc_bind_lay
 
 mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shape, mc_bind_layout layout,
                   float **out) {
-    char expected[256], actual[256];
     *out = NULL;
     const char *path = ld->file->path;
-    const mc_st_tensor *t = mc_st_find(ld->file, name);
+    const mc_st_tensor *t = find_with_shape(ld, name, ndim, shape);
     if (t == NULL)
-        return mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
-                       shape_text(shape, ndim, expected, sizeof expected));
-    int same = (t->ndim == ndim);
-    for (int d = 0; same && d < ndim; d++)
-        same = (t->shape[d] == shape[d]);
-    if (!same)
-        return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
-                       shape_text(t->shape, t->ndim, actual, sizeof actual),
-                       shape_text(shape, ndim, expected, sizeof expected));
+        return ld->err->status;
     if (layout == MC_BIND_CONV_OHWI && ndim != 4)
         return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: key '%s': conv repacking needs a 4-D shape, got %d-D", path,
                        name, ndim);
@@ -269,20 +268,8 @@ mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t sh
 }
 
 mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t *shape, float *dst) {
-    char expected[256], actual[256];
-    const char *path = ld->file->path;
-    const mc_st_tensor *t = mc_st_find(ld->file, name);
-    if (t == NULL)
-        return mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
-                       shape_text(shape, ndim, expected, sizeof expected));
-    int same = (t->ndim == ndim);
-    for (int d = 0; same && d < ndim; d++)
-        same = (t->shape[d] == shape[d]);
-    if (!same)
-        return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
-                       shape_text(t->shape, t->ndim, actual, sizeof actual),
-                       shape_text(shape, ndim, expected, sizeof expected));
-    return mc_st_to_f32(ld->file, t, dst, ld->err);
+    const mc_st_tensor *t = find_with_shape(ld, name, ndim, shape);
+    return t == NULL ? ld->err->status : mc_st_to_f32(ld->file, t, dst, ld->err);
 }
 
 mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out) {

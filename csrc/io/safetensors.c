@@ -84,9 +84,8 @@ int64_t mc_st_numel(const mc_st_tensor *tensor) {
     return n;
 }
 
-/* "[2, 3]" (or "[]" for a scalar) into buf; truncated output is acceptable
- * because it only feeds error messages. */
-static const char *format_shape(const int64_t *shape, int ndim, char *buf, size_t size) {
+/* Truncated output is acceptable: it only feeds error messages. */
+const char *mc_st_shape_text(const int64_t *shape, int ndim, char *buf, size_t size) {
     size_t used = 0;
     int n = snprintf(buf, size, "[");
     used = n > 0 ? (size_t)n : 0;
@@ -293,7 +292,7 @@ static mc_status check_byte_size(header_check *hc, const mc_st_tensor *t) {
         }
         if (bytes_if_nonempty > (uint64_t)INT64_MAX / dim)
             return mc_fail(hc->err, MC_ERR_VALUE, "%s: tensor '%s': shape %s of %s overflows a 64-bit byte count",
-                           hc->path, t->name, format_shape(t->shape, t->ndim, shape_text, sizeof shape_text),
+                           hc->path, t->name, mc_st_shape_text(t->shape, t->ndim, shape_text, sizeof shape_text),
                            mc_dtype_name(t->dtype));
         bytes_if_nonempty *= dim;
     }
@@ -303,7 +302,7 @@ static mc_status check_byte_size(header_check *hc, const mc_st_tensor *t) {
         return mc_fail(hc->err, MC_ERR_VALUE,
                        "%s: tensor '%s': data_offsets [%llu, %llu] span %llu bytes but shape %s of %s needs %llu",
                        hc->path, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
-                       (unsigned long long)span, format_shape(t->shape, t->ndim, shape_text, sizeof shape_text),
+                       (unsigned long long)span, mc_st_shape_text(t->shape, t->ndim, shape_text, sizeof shape_text),
                        mc_dtype_name(t->dtype), (unsigned long long)needed);
     return MC_OK;
 }

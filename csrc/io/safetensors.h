@@ -51,6 +51,8 @@ const char *mc_st_metadata(const mc_st_file *file, const char *key); /* NULL if 
 const char *mc_dtype_name(mc_dtype dtype);
 size_t mc_dtype_size(mc_dtype dtype);
 int64_t mc_st_numel(const mc_st_tensor *tensor);
+/* "[2, 3]" (or "[]" for a scalar) into buf, for error messages; returns buf. */
+const char *mc_st_shape_text(const int64_t *shape, int ndim, char *buf, size_t size);
 
 /* Converts a F32, F16, BF16 or F64 tensor to float32 in `dst` (numel
  * floats); other dtypes -> MC_ERR_VALUE naming the key and dtype. The file
