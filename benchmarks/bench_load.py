@@ -1,7 +1,7 @@
 """Peak resident memory of loading a model, next to the size of the loaded weights (issue 18).
 
-Each load runs in a fresh child process: `import marcache`, then `marcache.load` of a
-MAR-B or MAR-L file (random float32 weights in the official layout) with dtype fp32 or
+Each load runs in a fresh child process (tests/load_probe.py): `import marcache`, then
+`marcache.load` of a MAR-B or MAR-L file (random float32 weights in the official layout) with dtype fp32 or
 bf16, or the KL-16 VAE (`marcache._C.VAE`). The child reports its peak RSS over its
 whole life (VmHWM of /proc/self/status: interpreter, NumPy and OpenBLAS included; not
 getrusage's ru_maxrss, which Linux carries over from the parent's memory at fork and
@@ -30,33 +30,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 FILES = {"mar_base": "mar_base_random.safetensors", "mar_large": "mar_large_random.safetensors",
          "vae": "vae_kl16_random.safetensors"}
 
-CHILD = r"""
-import json, sys, time
-
-def rss_kib(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-kind, path, dtype = sys.argv[1:4]
-import marcache as mc
-before = rss_kib("VmRSS")
-t0 = time.perf_counter()
-if kind == "vae":
-    model = mc._C.VAE(path)
-    weight_bytes = getattr(model, "weight_bytes", None)
-else:
-    model = mc.load(path, dtype=dtype)
-    weight_bytes = getattr(model._mar, "weight_bytes", None)
-seconds = time.perf_counter() - t0
-print(json.dumps({"before_kib": before, "peak_kib": rss_kib("VmHWM"),
-                  "settled_kib": rss_kib("VmRSS"), "weight_bytes": weight_bytes, "seconds": seconds,
-                  "marcache": mc.__file__}))
-"""
-
-
 def write_weights(name, path):
     from safetensors.numpy import save_file
 
@@ -79,8 +52,8 @@ def write_weights(name, path):
 
 def measure(root, kind, path, dtype):
     env = dict(os.environ, PYTHONPATH=root)
-    done = subprocess.run([sys.executable, "-c", CHILD, kind, path, dtype], capture_output=True, text=True,
-                          env=env, cwd="/")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "load_probe.py"), kind, path, dtype],
+                          capture_output=True, text=True, env=env, cwd="/")
     if done.returncode != 0:
         raise SystemExit(f"load of {path} ({dtype}) with {root} failed:\n{done.stderr}")
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -116,39 +116,6 @@ def test_bind_read_errors_name_file_and_key(files):
 
 # ----- peak resident memory of a load, in a fresh process ---------------------------------
 
-CHILD = r"""
-import gc, json, sys
-import marcache as mc
-
-def status_kib(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-kind, path, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
-gc.collect()
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (the peak) to the current resident size
-except OSError as exc:
-    print(json.dumps({"skip": "cannot reset the peak RSS (/proc/self/clear_refs): %s" % exc}))
-    sys.exit(0)
-before = status_kib("VmRSS")
-if status_kib("VmHWM") > before + 1024:
-    print(json.dumps({"skip": "this kernel does not reset VmHWM through clear_refs"}))
-    sys.exit(0)
-if kind == "mar":
-    model = mc.load(path, dtype=dtype)
-    weight_bytes = model._mar.weight_bytes
-else:
-    model = mc._C.VAE(path)
-    weight_bytes = model.weight_bytes
-print(json.dumps({"before_kib": before, "peak_kib": status_kib("VmHWM"), "after_kib": status_kib("VmRSS"),
-                  "weight_bytes": weight_bytes}))
-"""
-
 # The target of issue 18 is peak <= 1.15 x weights + 100 MiB for the whole process
 # (interpreter included). Measured from the resident size just before the load, the
 # constant only has to cover the loader's bounded buffers (a 4 MiB piece, 8 MiB of
@@ -163,7 +130,7 @@ def rss_files(tmp_path_factory):
                     "quarantine are resident too")
     folder = tmp_path_factory.mktemp("rss")
     mar_path = str(folder / "mar.safetensors")
-    # 8 blocks of width 512: about 26 M parameters, 104 MB of float32.
+    # 8 blocks of width 512 and the head: about 30 M parameters, 122 MB of float32 weights.
     write_tiny_mar(mar_path, seed=3, heads=8, dim=512, depth=4, head_width=512, head_depth=2)
     vae_path = str(folder / "vae.safetensors")
     weights = ref_vae.random_vae_weights(np.random.default_rng(4))  # the full KL-16 decoder, 153 MB
@@ -175,8 +142,9 @@ def rss_files(tmp_path_factory):
 def test_load_peak_rss_stays_near_the_weights(rss_files, kind, dtype):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", CHILD, kind, rss_files[kind], dtype], capture_output=True,
-                          text=True, env=env, cwd=TESTS_DIR, timeout=300)
+    probe = os.path.join(TESTS_DIR, "load_probe.py")
+    done = subprocess.run([sys.executable, probe, kind, rss_files[kind], dtype, "--reset-peak"],
+                          capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in result:
