@@ -21,6 +21,9 @@ Environment:
                    for nvcc): CI and development set it. Off by default, so a
                    user's `pip install .` with a newer compiler that warns about
                    something new still installs
+  MARCACHE_SANITIZE "address,undefined" (or one of them): build the C code with
+                   those sanitizers (CPU backend only, with MARCACHE_CUDA=0); run
+                   it with libasan preloaded, as .ci/sanitize does
   MARCACHE_CUDA    "0": no CUDA backend; "1": CUDA backend or fail; unset or
                    "auto": build it when nvcc and cuBLAS are found
   CUDA_HOME        the CUDA toolkit (default: from nvcc's location, /usr/local/cuda)
@@ -69,9 +72,35 @@ def werror_requested():
     return value == "1"
 
 
+SANITIZERS = ("address", "undefined")
+
+
+def sanitizers_requested():
+    """MARCACHE_SANITIZE=address,undefined (CI's sanitizer lane, .ci/sanitize): the
+    sanitizers to build the C code with, [] when unset or empty."""
+    value = os.environ.get("MARCACHE_SANITIZE", "").strip()
+    if not value:
+        return []
+    names = [n.strip() for n in value.split(",")]
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown or len(set(names)) != len(names):
+        raise SystemExit("MARCACHE_SANITIZE must be a comma-separated list of %s, got %r"
+                         % ("/".join(SANITIZERS), value))
+    return names
+
+
+def sanitize_args():
+    """Compile and link flags of the sanitizers asked for. Every report aborts
+    (-fno-sanitize-recover=all), so a test run cannot pass over one."""
+    names = sanitizers_requested()
+    if not names:
+        return []
+    return ["-fsanitize=" + ",".join(names), "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+
+
 def compile_args():
     args = ["-std=c11", "-Wall", "-Wextra"] + (["-Werror"] if werror_requested() else []) + [
-        "-fopenmp", "-D_POSIX_C_SOURCE=200809L", "-isystem", numpy.get_include()]
+        "-fopenmp", "-D_POSIX_C_SOURCE=200809L", "-isystem", numpy.get_include()] + sanitize_args()
     if os.environ.get("MARCACHE_DEBUG") == "1":
         args += ["-O0", "-g"]
     else:
@@ -252,13 +281,35 @@ class build_ext_cuda(build_ext):
             return list(pool.map(run, jobs))
 
 
+def c_string(text):
+    """`text` as a C string literal for a -D macro (setuptools passes each
+    argument to the compiler as is, with no shell in between)."""
+    kept = "".join(ch for ch in text if " " <= ch <= "~")
+    return '"' + kept.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def build_record_macros():
+    """What build_info() reports about the flags: the C flags this build adds
+    after the environment's CFLAGS (paths left out), the environment's CFLAGS
+    and CPPFLAGS as given (setuptools puts them on every compile line), the
+    sanitizers, and whether warnings were errors."""
+    ours = [a for a in compile_args() if "/" not in a and a != "-isystem"]
+    environment = " ".join(os.environ.get(v, "").strip() for v in ("CFLAGS", "CPPFLAGS")).strip()
+    return [("MC_BUILD_CFLAGS", c_string(" ".join(([environment] if environment else []) + ours))),
+            ("MC_BUILD_CFLAGS_ENV", c_string(environment)),
+            ("MC_BUILD_SANITIZE", c_string(",".join(sanitizers_requested()))),
+            ("MC_BUILD_WERROR", "1" if werror_requested() else "0")]
+
+
+if sanitizers_requested() and CUDA is not None:
+    raise SystemExit("MARCACHE_SANITIZE builds the CPU backend only: set MARCACHE_CUDA=0 as well")
+
 define_macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
-                 ("MC_BLAS_NAME", '"scipy-openblas32 ' + scipy_openblas32.__version__ + '"'),
-                 ("MC_BUILD_CFLAGS", '"' + " ".join(a for a in compile_args()
-                                                    if "/" not in a and a != "-isystem") + '"')]
+                 ("MC_BLAS_NAME", '"scipy-openblas32 ' + scipy_openblas32.__version__ + '"')
+                 ] + build_record_macros()
 libraries = [scipy_openblas32.get_library(), "m"]
 library_dirs = [scipy_openblas32.get_lib_dir()]
-extra_link_args = ["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib"]
+extra_link_args = ["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib"] + sanitize_args()
 if CUDA is not None:
     define_macros += [("MC_HAVE_CUDA", "1"), ("MC_CUDA_ARCHS", '"' + CUDA_ARCHS + '"')]
     # Static CUDA runtime: it dlopens the driver, so it needs libdl, librt

@@ -51,7 +51,13 @@ __version__ = "0.1.0"
 
 
 def build_info():
-    """Backends, BLAS, OpenMP and compiler flags this build was made with."""
+    """Backends, BLAS, OpenMP and compiler flags this build was made with.
+
+    ``cflags``: the C flags of this build after Python's own (the environment's CFLAGS
+    and CPPFLAGS first, as on the compiler's command line, then marcache's, paths left
+    out); ``cflags_env``: the environment's CFLAGS and CPPFLAGS as given; ``sanitize``:
+    the sanitizers built in ("address,undefined" in CI's sanitizer lane, else "");
+    ``werror``: whether warnings were errors (MARCACHE_WERROR=1)."""
     return dict(_C.build_info())
 
 

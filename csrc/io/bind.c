@@ -59,20 +59,28 @@ mc_status mc_alloc_list_push(mc_alloc_list *list, void *ptr, size_t bytes, mc_er
     return MC_OK;
 }
 
-/* "[2, 3]" for messages; "[]" for a scalar. */
-static const char *shape_text(const int64_t *shape, int ndim, char *buf, size_t size) {
-    size_t used = 0;
-    int n = snprintf(buf, size, "[");
-    used = n > 0 ? (size_t)n : 0;
-    for (int d = 0; d < ndim && used < size; d++) {
-        n = snprintf(buf + used, size - used, d ? ", %lld" : "%lld", (long long)shape[d]);
-        if (n < 0)
-            break;
-        used += (size_t)n;
+/* The tensor `name`, which must have exactly shape[0..ndim); NULL with the
+ * error set otherwise (missing key -> MC_ERR_KEY, other shape -> MC_ERR_VALUE,
+ * both naming the file, the key and the shapes). */
+static const mc_st_tensor *find_with_shape(mc_loader *ld, const char *name, int ndim, const int64_t *shape) {
+    char expected[256], actual[256];
+    const char *path = ld->file->path;
+    const mc_st_tensor *t = mc_st_find(ld->file, name);
+    if (t == NULL) {
+        mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
+                mc_st_shape_text(shape, ndim, expected, sizeof expected));
+        return NULL;
     }
-    if (used < size)
-        snprintf(buf + used, size - used, "]");
-    return buf;
+    int same = (t->ndim == ndim);
+    for (int d = 0; same && d < ndim; d++)
+        same = (t->shape[d] == shape[d]);
+    if (!same) {
+        mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
+                mc_st_shape_text(t->shape, t->ndim, actual, sizeof actual),
+                mc_st_shape_text(shape, ndim, expected, sizeof expected));
+        return NULL;
+    }
+    return t;
 }
 
 /* Grow-only host buffer for conversions; contents are not preserved. */
@@ -95,9 +103,11 @@ static float *host_scratch(mc_loader *ld, size_t floats) {
     return fresh;
 }
 
-/* [O, I, kh, kw] -> [O, kh, kw, I], the layout conv2d expects. */
-static void repack_conv_ohwi(const float *src, float *dst, const int64_t shape[4]) {
-    int64_t out_ch = shape[0], in_ch = shape[1], kh = shape[2], kw = shape[3];
+/* [O, I, kh, kw] -> [O, kh, kw, I], the layout conv2d expects, for `out_ch`
+ * output channels (each one's [I, kh, kw] block is repacked on its own, so a
+ * tensor can be repacked a few output channels at a time). */
+static void repack_conv_ohwi(const float *src, float *dst, int64_t out_ch, const int64_t shape[4]) {
+    int64_t in_ch = shape[1], kh = shape[2], kw = shape[3];
     for (int64_t o = 0; o < out_ch; o++)
         for (int64_t i = 0; i < in_ch; i++)
             for (int64_t y = 0; y < kh; y++)
@@ -105,22 +115,75 @@ static void repack_conv_ohwi(const float *src, float *dst, const int64_t shape[4
                     dst[((o * kh + y) * kw + x) * in_ch + i] = src[((o * in_ch + i) * kh + y) * kw + x];
 }
 
+/* Source elements moved per piece: a tensor goes from the mapping to its
+ * backend buffer in pieces of about 4 MiB of float32, converted in a host
+ * buffer of that bounded size, and each piece's file pages are released once
+ * uploaded. So a load never holds a second copy of a tensor, let alone of the
+ * model: resident memory is the weights plus one piece. */
+#define MC_BIND_PIECE_FLOATS ((size_t)1 << 20)
+
+/* Streams tensor `t` into `buffer` (a backend allocation of its numel
+ * elements of the output type) piece by piece. */
+static mc_status stream_tensor(mc_loader *ld, const mc_st_tensor *t, mc_bind_layout layout, int to_16bit,
+                               char *buffer) {
+    mc_backend *be = ld->backend;
+    const size_t numel = (size_t)mc_st_numel(t);
+    if (numel == 0)
+        return MC_OK;
+    const size_t out_size = to_16bit ? sizeof(uint16_t) : sizeof(float);
+    /* A piece is a whole number of units: one output channel for the conv
+     * repack (its [I, kh, kw] block moves as a whole), one element otherwise. */
+    const size_t unit = layout == MC_BIND_CONV_OHWI ? numel / (size_t)t->shape[0] : 1;
+    size_t piece = (MC_BIND_PIECE_FLOATS / unit ? MC_BIND_PIECE_FLOATS / unit : 1) * unit;
+    if (piece > numel)
+        piece = numel;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* Stored bytes already are the wanted floats: upload straight from the
+     * mapping (upload is a byte copy, so alignment does not matter). */
+    const int direct = (t->dtype == MC_DT_F32 && layout == MC_BIND_AS_IS);
+#else
+    const int direct = 0;
+#endif
+    float *scratch = NULL;
+    if (!direct) {
+        /* The conv repack and the 16-bit rounding write a second region. */
+        scratch = host_scratch(ld, layout != MC_BIND_AS_IS ? 2 * piece : piece);
+        if (scratch == NULL)
+            return ld->err->status;
+    }
+    for (size_t first = 0; first < numel; first += piece) {
+        const size_t count = numel - first < piece ? numel - first : piece;
+        const void *src;
+        if (direct) {
+            src = t->data + first * sizeof(float);
+        } else {
+            MC_TRY(mc_st_to_f32_range(ld->file, t, first, count, scratch, ld->err));
+            if (layout == MC_BIND_CONV_OHWI) {
+                repack_conv_ohwi(scratch, scratch + piece, (int64_t)(count / unit), t->shape);
+                src = scratch + piece;
+            } else if (to_16bit) {
+                uint16_t *packed = (uint16_t *)(scratch + piece);
+                for (size_t i = 0; i < count; i++)
+                    packed[i] = mc_wtype_pack(be->linear_wtype, scratch[i]);
+                src = packed;
+            } else {
+                src = scratch;
+            }
+        }
+        MC_TRY(be->ops->upload(be, buffer + first * out_size, src, count * out_size, ld->err));
+        if (direct)
+            mc_st_release(ld->file, t, first, count);
+    }
+    return MC_OK;
+}
+
 mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shape, mc_bind_layout layout,
                   float **out) {
-    char expected[256], actual[256];
     *out = NULL;
     const char *path = ld->file->path;
-    const mc_st_tensor *t = mc_st_find(ld->file, name);
+    const mc_st_tensor *t = find_with_shape(ld, name, ndim, shape);
     if (t == NULL)
-        return mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
-                       shape_text(shape, ndim, expected, sizeof expected));
-    int same = (t->ndim == ndim);
-    for (int d = 0; same && d < ndim; d++)
-        same = (t->shape[d] == shape[d]);
-    if (!same)
-        return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
-                       shape_text(t->shape, t->ndim, actual, sizeof actual),
-                       shape_text(shape, ndim, expected, sizeof expected));
+        return ld->err->status;
     if (layout == MC_BIND_CONV_OHWI && ndim != 4)
         return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: key '%s': conv repacking needs a 4-D shape, got %d-D", path,
                        name, ndim);
@@ -141,46 +204,13 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
      * INT64_MAX, and non-empty tensors by the file size. */
     size_t numel = (size_t)mc_st_numel(t);
     size_t bytes = numel * (to_16bit ? sizeof(uint16_t) : sizeof(float));
-    const void *host_src;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    const int direct = (t->dtype == MC_DT_F32 && layout == MC_BIND_AS_IS);
-#else
-    const int direct = 0;
-#endif
-    if (direct) {
-        /* Stored bytes already are the wanted floats: upload straight from
-         * the mapping (upload is a byte copy, so alignment does not matter). */
-        host_src = t->data;
-    } else {
-        /* The conv repack and the 16-bit rounding need a second region;
-         * both halves share one buffer. */
-        size_t scratch_floats = layout != MC_BIND_AS_IS ? 2 * numel : numel;
-        float *scratch = host_scratch(ld, scratch_floats ? scratch_floats : 1);
-        if (scratch == NULL)
-            return ld->err->status;
-        MC_TRY(mc_st_to_f32(ld->file, t, scratch, ld->err));
-        if (layout == MC_BIND_CONV_OHWI) {
-            repack_conv_ohwi(scratch, scratch + numel, t->shape);
-            host_src = scratch + numel;
-        } else if (to_16bit) {
-            uint16_t *packed = (uint16_t *)(scratch + numel);
-            for (size_t i = 0; i < numel; i++)
-                packed[i] = mc_wtype_pack(be->linear_wtype, scratch[i]);
-            host_src = packed;
-        } else {
-            host_src = scratch;
-        }
-    }
-
     /* Never ask a backend for 0 bytes: some return NULL for that. */
     size_t alloc_bytes = bytes ? bytes : sizeof(float);
     void *buffer = be->ops->alloc(be, alloc_bytes, ld->err);
     if (buffer == NULL)
         return mc_fail(ld->err, MC_ERR_NOMEM, "%s: cannot allocate %zu bytes for key '%s'", path, alloc_bytes,
                        name);
-    mc_status status = MC_OK;
-    if (bytes)
-        status = be->ops->upload(be, buffer, host_src, bytes, ld->err);
+    mc_status status = stream_tensor(ld, t, layout, to_16bit, buffer);
     if (status == MC_OK)
         status = mc_alloc_list_push(&ld->allocations, buffer, alloc_bytes, ld->err);
     if (status != MC_OK) {
@@ -238,20 +268,8 @@ mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t sh
 }
 
 mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t *shape, float *dst) {
-    char expected[256], actual[256];
-    const char *path = ld->file->path;
-    const mc_st_tensor *t = mc_st_find(ld->file, name);
-    if (t == NULL)
-        return mc_fail(ld->err, MC_ERR_KEY, "%s: missing key '%s' (expected shape %s)", path, name,
-                       shape_text(shape, ndim, expected, sizeof expected));
-    int same = (t->ndim == ndim);
-    for (int d = 0; same && d < ndim; d++)
-        same = (t->shape[d] == shape[d]);
-    if (!same)
-        return mc_fail(ld->err, MC_ERR_VALUE, "%s: key '%s' has shape %s, expected %s", path, name,
-                       shape_text(t->shape, t->ndim, actual, sizeof actual),
-                       shape_text(shape, ndim, expected, sizeof expected));
-    return mc_st_to_f32(ld->file, t, dst, ld->err);
+    const mc_st_tensor *t = find_with_shape(ld, name, ndim, shape);
+    return t == NULL ? ld->err->status : mc_st_to_f32(ld->file, t, dst, ld->err);
 }
 
 mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out) {

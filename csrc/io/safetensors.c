@@ -20,6 +20,9 @@
  *    rejected even when another dimension is 0, so every consumer can
  *    compute sizes without its own overflow checks;
  *  - "__metadata__": null is accepted as "no metadata" (as serde's Option). */
+/* madvise and MADV_DONTNEED are not in POSIX (the build defines
+ * _POSIX_C_SOURCE); posix_madvise's POSIX_MADV_DONTNEED is a no-op in glibc. */
+#define _DEFAULT_SOURCE
 #include "safetensors.h"
 
 #include <errno.h>
@@ -81,9 +84,8 @@ int64_t mc_st_numel(const mc_st_tensor *tensor) {
     return n;
 }
 
-/* "[2, 3]" (or "[]" for a scalar) into buf; truncated output is acceptable
- * because it only feeds error messages. */
-static const char *format_shape(const int64_t *shape, int ndim, char *buf, size_t size) {
+/* Truncated output is acceptable: it only feeds error messages. */
+const char *mc_st_shape_text(const int64_t *shape, int ndim, char *buf, size_t size) {
     size_t used = 0;
     int n = snprintf(buf, size, "[");
     used = n > 0 ? (size_t)n : 0;
@@ -290,7 +292,7 @@ static mc_status check_byte_size(header_check *hc, const mc_st_tensor *t) {
         }
         if (bytes_if_nonempty > (uint64_t)INT64_MAX / dim)
             return mc_fail(hc->err, MC_ERR_VALUE, "%s: tensor '%s': shape %s of %s overflows a 64-bit byte count",
-                           hc->path, t->name, format_shape(t->shape, t->ndim, shape_text, sizeof shape_text),
+                           hc->path, t->name, mc_st_shape_text(t->shape, t->ndim, shape_text, sizeof shape_text),
                            mc_dtype_name(t->dtype));
         bytes_if_nonempty *= dim;
     }
@@ -300,7 +302,7 @@ static mc_status check_byte_size(header_check *hc, const mc_st_tensor *t) {
         return mc_fail(hc->err, MC_ERR_VALUE,
                        "%s: tensor '%s': data_offsets [%llu, %llu] span %llu bytes but shape %s of %s needs %llu",
                        hc->path, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
-                       (unsigned long long)span, format_shape(t->shape, t->ndim, shape_text, sizeof shape_text),
+                       (unsigned long long)span, mc_st_shape_text(t->shape, t->ndim, shape_text, sizeof shape_text),
                        mc_dtype_name(t->dtype), (unsigned long long)needed);
     return MC_OK;
 }
@@ -632,11 +634,38 @@ static uint32_t load_u32_le(const uint8_t *p) {
 
 static uint64_t load_u64_le(const uint8_t *p) { return (uint64_t)load_u32_le(p) | ((uint64_t)load_u32_le(p + 4) << 32); }
 
-mc_status mc_st_to_f32(const mc_st_file *file, const mc_st_tensor *tensor, float *dst, mc_err *err) {
-    size_t n = (size_t)mc_st_numel(tensor);
-    const uint8_t *src = tensor->data;
+/* Whole pages covering [begin, begin + bytes) of the mapping, rounded outwards:
+ * a page shared with a neighbouring tensor is faulted in again from the file
+ * when that tensor is read (the mapping is read-only, so nothing is lost). */
+void mc_st_release(const mc_st_file *file, const mc_st_tensor *tensor, size_t first, size_t count) {
+    const size_t elem = mc_dtype_size(tensor->dtype);
+    const long page = sysconf(_SC_PAGESIZE);
+    if (file->mapping == NULL || count == 0 || elem == 0 || page <= 0)
+        return;
+    const uintptr_t start = (uintptr_t)file->mapping;
+    const uintptr_t limit = start + file->mapping_size;
+    uintptr_t lo = (uintptr_t)(tensor->data + first * elem);
+    uintptr_t hi = lo + count * elem;
+    lo -= (lo - start) % (uintptr_t)page;
+    hi = hi >= limit ? limit : hi;
+    if (hi <= lo)
+        return;
+    /* Advice only: on failure the pages just stay resident until the file is
+     * closed, as before. MAP_PRIVATE pages we never wrote come back from the
+     * file on the next access, so dropping them cannot change what is read. */
+    (void)madvise((void *)lo, (size_t)(hi - lo), MADV_DONTNEED);
+}
+
+mc_status mc_st_to_f32_range(const mc_st_file *file, const mc_st_tensor *tensor, size_t first, size_t count,
+                             float *dst, mc_err *err) {
+    const size_t numel = (size_t)mc_st_numel(tensor);
+    if (first > numel || count > numel - first)
+        return mc_fail(err, MC_ERR_INTERNAL, "%s: key '%s': elements [%zu, %zu) are outside its %zu elements",
+                       file->path, tensor->name, first, first + count, numel);
+    const size_t n = count;
     switch (tensor->dtype) {
-    case MC_DT_F32:
+    case MC_DT_F32: {
+        const uint8_t *src = tensor->data + 4 * first;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
         /* Same byte order: a plain copy, which also handles misalignment. */
         if (n)
@@ -645,26 +674,39 @@ mc_status mc_st_to_f32(const mc_st_file *file, const mc_st_tensor *tensor, float
         for (size_t i = 0; i < n; i++)
             dst[i] = f32_from_bits(load_u32_le(src + 4 * i));
 #endif
-        return MC_OK;
-    case MC_DT_F16:
+        break;
+    }
+    case MC_DT_F16: {
+        const uint8_t *src = tensor->data + 2 * first;
         for (size_t i = 0; i < n; i++)
             dst[i] = f16_to_f32(load_u16_le(src + 2 * i));
-        return MC_OK;
-    case MC_DT_BF16:
+        break;
+    }
+    case MC_DT_BF16: {
         /* bfloat16 is the top half of a float32. */
+        const uint8_t *src = tensor->data + 2 * first;
         for (size_t i = 0; i < n; i++)
             dst[i] = f32_from_bits((uint32_t)load_u16_le(src + 2 * i) << 16);
-        return MC_OK;
-    case MC_DT_F64:
+        break;
+    }
+    case MC_DT_F64: {
+        const uint8_t *src = tensor->data + 8 * first;
         for (size_t i = 0; i < n; i++) {
             uint64_t bits = load_u64_le(src + 8 * i);
             double d;
             memcpy(&d, &bits, sizeof d);
             dst[i] = (float)d;
         }
-        return MC_OK;
+        break;
+    }
     default:
         return mc_fail(err, MC_ERR_VALUE, "%s: key '%s' has dtype %s, which cannot be converted to float32",
                        file->path, tensor->name, mc_dtype_name(tensor->dtype));
     }
+    mc_st_release(file, tensor, first, count);
+    return MC_OK;
+}
+
+mc_status mc_st_to_f32(const mc_st_file *file, const mc_st_tensor *tensor, float *dst, mc_err *err) {
+    return mc_st_to_f32_range(file, tensor, 0, (size_t)mc_st_numel(tensor), dst, err);
 }

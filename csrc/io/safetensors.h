@@ -51,9 +51,22 @@ const char *mc_st_metadata(const mc_st_file *file, const char *key); /* NULL if 
 const char *mc_dtype_name(mc_dtype dtype);
 size_t mc_dtype_size(mc_dtype dtype);
 int64_t mc_st_numel(const mc_st_tensor *tensor);
+/* "[2, 3]" (or "[]" for a scalar) into buf, for error messages; returns buf. */
+const char *mc_st_shape_text(const int64_t *shape, int ndim, char *buf, size_t size);
 
 /* Converts a F32, F16, BF16 or F64 tensor to float32 in `dst` (numel
- * floats); other dtypes -> MC_ERR_VALUE naming the key and dtype. */
+ * floats); other dtypes -> MC_ERR_VALUE naming the key and dtype. The file
+ * pages read are released afterwards (mc_st_release). */
 mc_status mc_st_to_f32(const mc_st_file *file, const mc_st_tensor *tensor, float *dst, mc_err *err);
+/* The same for elements [first, first + count) of the tensor (C order), into
+ * dst[0 .. count); a range outside the tensor -> MC_ERR_INTERNAL. */
+mc_status mc_st_to_f32_range(const mc_st_file *file, const mc_st_tensor *tensor, size_t first, size_t count,
+                             float *dst, mc_err *err);
+/* Drops the mapped pages holding elements [first, first + count) of `tensor`
+ * from the process's resident set once they have been read (madvise
+ * MADV_DONTNEED; they stay in the page cache and a later read faults them in
+ * again from the file). Loading releases each piece it has consumed, so the
+ * file's pages never add up to a second copy of the weights in RSS. */
+void mc_st_release(const mc_st_file *file, const mc_st_tensor *tensor, size_t first, size_t count);
 
 #endif

@@ -82,6 +82,12 @@ typedef struct inc_loader {
 } inc_loader;
 
 static mc_status note_bound(inc_loader *L, const char *name, int64_t numel) {
+    /* The list keeps whole names (the unused-tensor check compares them):
+     * a longer one is refused, never cut. */
+    const size_t len = strlen(name);
+    if (len >= INC_NAME_LEN)
+        return mc_fail(L->err, MC_ERR_VALUE, "%s: tensor name '%s' is %zu bytes long, at most %d are supported",
+                       L->path, name, len, INC_NAME_LEN - 1);
     if (L->n_bound == L->cap_bound) {
         int64_t cap = L->cap_bound ? 2 * L->cap_bound : 512;
         void *grown = realloc(L->bound, (size_t)cap * INC_NAME_LEN);
@@ -90,7 +96,7 @@ static mc_status note_bound(inc_loader *L, const char *name, int64_t numel) {
         L->bound = grown;
         L->cap_bound = cap;
     }
-    snprintf(L->bound[L->n_bound++], INC_NAME_LEN, "%s", name);
+    memcpy(L->bound[L->n_bound++], name, len + 1);
     L->num_params += numel;
     return MC_OK;
 }

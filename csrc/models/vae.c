@@ -97,6 +97,7 @@ mc_status mc_vae_load(mc_backend *be, const mc_st_file *file, mc_vae **out, mc_e
         fill_info(&v->info, &v->dec);
         v->info.num_params = bd.num_params;
         v->weights = mc_loader_take_allocations(&bd.loader);
+        v->info.weight_bytes = v->weights.bytes;
     }
     mc_ldm_binder_finish(&bd);
     if (st != MC_OK) {

@@ -33,6 +33,7 @@ typedef struct mc_vae_info {
     int64_t out_channels;    /* 3 */
     int64_t upscale;         /* output side / latent side = 2^(num_levels - 1) (16) */
     int64_t num_params;      /* elements of every bound tensor (38,189,203) */
+    size_t weight_bytes;     /* backend memory the bound weights hold */
 } mc_vae_info;
 
 /* Binds post_quant_conv.* and decoder.* from `file` onto `be` (which must

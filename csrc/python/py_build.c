@@ -13,8 +13,18 @@
 #ifndef MC_BLAS_NAME
 #define MC_BLAS_NAME "unknown"
 #endif
+/* setup.py records how this build was compiled (build_record_macros). */
 #ifndef MC_BUILD_CFLAGS
 #define MC_BUILD_CFLAGS ""
+#endif
+#ifndef MC_BUILD_CFLAGS_ENV
+#define MC_BUILD_CFLAGS_ENV ""
+#endif
+#ifndef MC_BUILD_SANITIZE
+#define MC_BUILD_SANITIZE ""
+#endif
+#ifndef MC_BUILD_WERROR
+#define MC_BUILD_WERROR 0
 #endif
 
 #ifdef MC_HAVE_CUDA
@@ -89,10 +99,12 @@ static PyObject *build_info(PyObject *self, PyObject *noargs) {
 #else
     const char *backends = "cpu,guard";
 #endif
-    PyObject *info = Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:i,s:s}", "backends", backends, "blas",
+    PyObject *info = Py_BuildValue("{s:s,s:s,s:s,s:s,s:s,s:s,s:s,s:O,s:i,s:s}", "backends", backends, "blas",
                                    MC_BLAS_NAME, "blas_config", mc_cpu_blas_config(), "blas_core",
-                                   mc_cpu_blas_core(), "cflags", MC_BUILD_CFLAGS, "openmp",
-                                   _OPENMP, "compiler", __VERSION__);
+                                   mc_cpu_blas_core(), "cflags", MC_BUILD_CFLAGS, "cflags_env",
+                                   MC_BUILD_CFLAGS_ENV, "sanitize", MC_BUILD_SANITIZE, "werror",
+                                   MC_BUILD_WERROR ? Py_True : Py_False, "openmp", _OPENMP, "compiler",
+                                   __VERSION__);
     if (info != NULL && add_cuda_info(info) < 0)
         Py_CLEAR(info);
     return info;

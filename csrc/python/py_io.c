@@ -4,7 +4,11 @@
  * mapped and validated and while tensors are converted. */
 #include "py_numpy.h"
 
+#include <string.h>
+
+#include "../io/bind.h"
 #include "../io/safetensors.h"
+#include "py_backend.h"
 
 /* Opens `path` (str, bytes or os.PathLike) with the GIL released. Returns
  * the file or NULL with an exception set. */
@@ -163,7 +167,92 @@ done:
     return result;
 }
 
+/* Test hook: binds one tensor as a model does (mc_bind: piecewise
+ * conversion, the layout, the backend's weight type, the upload) and
+ * downloads it again, so the tests can compare every path of the loader with
+ * NumPy. layout: "as_is", "conv_ohwi" or "linear"; a 16-bit linear weight
+ * comes back as its uint16 bits. */
+static PyObject *py_bind_read(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *keywords[] = {"path", "name", "layout", "dtype", "device", NULL};
+    PyObject *path_obj = NULL;
+    const char *name = NULL, *layout_name = "as_is", *dtype = "fp32", *device = "cpu";
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&s|sss", keywords, PyUnicode_FSConverter, &path_obj, &name,
+                                     &layout_name, &dtype, &device))
+        return NULL;
+    mc_bind_layout layout;
+    if (strcmp(layout_name, "as_is") == 0)
+        layout = MC_BIND_AS_IS;
+    else if (strcmp(layout_name, "conv_ohwi") == 0)
+        layout = MC_BIND_CONV_OHWI;
+    else if (strcmp(layout_name, "linear") == 0)
+        layout = MC_BIND_LINEAR;
+    else {
+        Py_DECREF(path_obj);
+        return PyErr_Format(PyExc_ValueError, "layout must be 'as_is', 'conv_ohwi' or 'linear', got '%s'",
+                            layout_name);
+    }
+    mc_wtype wtype;
+    if (mcpy_parse_wtype(dtype, &wtype) < 0) {
+        Py_DECREF(path_obj);
+        return NULL;
+    }
+    mc_err err = {0};
+    mc_st_file *file = NULL;
+    mc_backend *be = NULL;
+    mc_loader ld;
+    int loader_ready = 0, ndim = 0;
+    int64_t shape[MC_ST_MAX_DIMS] = {0};
+    float *bound = NULL;
+    PyArrayObject *array = NULL;
+    mc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mc_st_open(PyBytes_AS_STRING(path_obj), &file, &err);
+    if (st == MC_OK)
+        st = mcpy_backend_open(device, 1, wtype, &be, &err);
+    if (st == MC_OK) {
+        mc_loader_init(&ld, file, be, &err);
+        loader_ready = 1;
+        st = mc_loader_shape(&ld, name, &ndim, shape);
+    }
+    if (st == MC_OK)
+        st = mc_bind(&ld, name, ndim, shape, layout, &bound);
+    Py_END_ALLOW_THREADS
+    if (st == MC_OK) {
+        npy_intp dims[MC_ST_MAX_DIMS];
+        for (int d = 0; d < ndim; d++)
+            dims[d] = (npy_intp)shape[d];
+        if (layout == MC_BIND_CONV_OHWI) { /* [O, I, kh, kw] stored, [O, kh, kw, I] bound */
+            dims[1] = (npy_intp)shape[2];
+            dims[2] = (npy_intp)shape[3];
+            dims[3] = (npy_intp)shape[1];
+        }
+        const int packed = layout == MC_BIND_LINEAR && wtype != MC_WTYPE_F32;
+        array = (PyArrayObject *)PyArray_SimpleNew(ndim, dims, packed ? NPY_UINT16 : NPY_FLOAT32);
+        if (array != NULL && PyArray_NBYTES(array) > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            st = be->ops->download(be, PyArray_DATA(array), bound, (size_t)PyArray_NBYTES(array), &err);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    if (loader_ready)
+        mc_loader_finish(&ld);
+    mc_backend_destroy(be);
+    mc_st_close(file);
+    Py_DECREF(path_obj);
+    if (st != MC_OK) {
+        Py_XDECREF(array);
+        mcpy_raise(&err);
+        return NULL;
+    }
+    return (PyObject *)array;
+}
+
 static PyMethodDef io_methods[] = {
+    {"_bind_read", (PyCFunction)(void (*)(void))py_bind_read, METH_VARARGS | METH_KEYWORDS,
+     "_bind_read(path, name, layout='as_is', dtype='fp32', device='cpu') -> ndarray (test hook)\n\n"
+     "Binds one tensor as a model load does and downloads it: float32 in the bound layout\n"
+     "(conv_ohwi: [O, kh, kw, I]), or the uint16 bits of a 16-bit linear weight."},
     {"safetensors_read", py_safetensors_read, METH_O,
      "safetensors_read(path) -> (dict name -> float32 ndarray, metadata dict)\n\n"
      "Strictly validates the file, then converts every F32/F16/BF16/F64 tensor to a\n"

@@ -482,6 +482,11 @@ static PyObject *mar_get_num_params(PyMAR *self, void *closure) {
     return PyLong_FromLongLong(self->mar ? (long long)mc_mar_num_params(self->mar) : 0);
 }
 
+static PyObject *mar_get_weight_bytes(PyMAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(self->mar ? self->mar->weights.bytes : 0);
+}
+
 static PyObject *mar_get_allocations(PyMAR *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
@@ -521,6 +526,8 @@ static PyMethodDef mar_methods[] = {
 static PyGetSetDef mar_getset[] = {
     {"config", (getter)mar_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
     {"num_params", (getter)mar_get_num_params, NULL, "number of parameters", NULL},
+    {"weight_bytes", (getter)mar_get_weight_bytes, NULL,
+     "bytes of backend memory the loaded weights and load-time constants hold", NULL},
     {"backend_allocations", (getter)mar_get_allocations, NULL,
      "allocations of backend memory so far (weights, workspace, caches, scratch growth)", NULL},
     {"backend_syncs", (getter)mar_get_syncs, NULL,

@@ -232,6 +232,14 @@ static PyObject *VAE_get_num_params(VAEObject *self, void *c) {
     (void)c;
     return vae_int_attr(self, self->info.num_params);
 }
+static PyObject *VAE_get_weight_bytes(VAEObject *self, void *c) {
+    (void)c;
+    if (self->vae == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "VAE is not initialised");
+        return NULL;
+    }
+    return PyLong_FromSize_t(self->info.weight_bytes);
+}
 static PyObject *VAE_get_upscale(VAEObject *self, void *c) {
     (void)c;
     return vae_int_attr(self, self->info.upscale);
@@ -275,6 +283,8 @@ static PyGetSetDef VAE_getset[] = {
     {"num_params", (getter)VAE_get_num_params, NULL, "parameters bound (post_quant_conv + decoder)",
      NULL},
     {"upscale", (getter)VAE_get_upscale, NULL, "output side / latent side", NULL},
+    {"weight_bytes", (getter)VAE_get_weight_bytes, NULL, "bytes of backend memory the loaded weights hold",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

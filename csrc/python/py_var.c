@@ -553,6 +553,11 @@ static PyObject *var_get_config(PyVAR *self, void *closure) {
                          patch_nums, "tokens", (long long)c->tokens, "n_scales", c->n_scales);
 }
 
+static PyObject *var_get_weight_bytes(PyVAR *self, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(self->var ? self->var->weights.bytes : 0);
+}
+
 static PyObject *var_get_num_params(PyVAR *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(self->var ? (long long)mc_var_num_params(self->var) : 0);
@@ -599,6 +604,8 @@ static PyMethodDef var_methods[] = {
 static PyGetSetDef var_getset[] = {
     {"config", (getter)var_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
     {"num_params", (getter)var_get_num_params, NULL, "number of parameters (buffers excluded)", NULL},
+    {"weight_bytes", (getter)var_get_weight_bytes, NULL,
+     "bytes of backend memory the loaded weights and load-time constants hold", NULL},
     {"backend_allocations", (getter)var_get_allocations, NULL,
      "allocations of backend memory so far (weights, activations, KV cache, scratch growth)", NULL},
     {"backend_syncs", (getter)var_get_syncs, NULL,
