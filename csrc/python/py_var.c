@@ -3,7 +3,7 @@
  * mcpy_generate), and components the tests compare with the float64
  * reference scale by scale. Arguments are checked here and in marcache/;
  * compute runs with the GIL released; one call at a time per model. */
-#include "py_numpy.h"
+#include "py_model.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -12,29 +12,16 @@
 
 #include "../models/var.h"
 #include "../runtime/var_sampler.h"
-#include "py_backend.h"
-#include "py_config.h"
 #include "py_generate.h"
 #include "py_vqvae.h"
 
 typedef struct {
-    PyObject_HEAD
-    mc_backend *backend;
+    MCPY_MODEL_HEAD
     mc_var *var;
     int busy; /* set while the GIL is released: one call at a time */
 } PyVAR;
 
-static void var_release_model(PyVAR *self) {
-    mc_var_free(self->var);
-    self->var = NULL;
-    mc_backend_destroy(self->backend);
-    self->backend = NULL;
-}
-
-static void var_dealloc(PyVAR *self) {
-    var_release_model(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+MCPY_MODEL_LIFECYCLE(var, PyVAR, var, mc_var_free)
 
 static mc_status load_var(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
     return mc_var_load(backend, file, (mc_var **)model, err);
@@ -49,44 +36,25 @@ static int var_init(PyVAR *self, PyObject *args, PyObject *kwargs) {
                                      &device, &dtype, &threads))
         return -1;
     mc_wtype wtype;
-    if (mcpy_parse_wtype(dtype, &wtype) < 0) {
-        Py_DECREF(path_obj);
-        return -1;
-    }
-    if (threads < 0) {
-        Py_DECREF(path_obj);
-        PyErr_SetString(PyExc_ValueError, "threads must be >= 0 (0 = all OpenMP threads)");
-        return -1;
-    }
-    if (self->busy) {
-        Py_DECREF(path_obj);
+    if (self->busy)
         PyErr_SetString(PyExc_RuntimeError, "this VAR model is running a call in another thread");
+    if (self->busy || mcpy_parse_wtype(dtype, &wtype) < 0) {
+        Py_DECREF(path_obj);
         return -1;
     }
-    var_release_model(self); /* __init__ again on a live object: the new device and dtype apply */
-    mc_err err = {0};
-    mc_status st;
-    mc_backend *backend = NULL;
     mc_var *var = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = mcpy_load_model(PyBytes_AS_STRING(path_obj), device, threads, wtype, load_var, &var, &backend, &err);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(path_obj);
-    if (st != MC_OK) {
-        mcpy_raise(&err);
+    /* (__init__ again on a live object: the new device and dtype apply.) */
+    if (mcpy_model_load((mcpy_model_object *)self, var_release_model, 0, path_obj, device, threads, "threads", wtype,
+                        load_var, &var) < 0)
         return -1;
-    }
-    self->backend = backend;
     self->var = var;
     return 0;
 }
 
 /* Takes the model for one call (GIL held); 0, or -1 with RuntimeError. */
 static int claim(PyVAR *self) {
-    if (self->var == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
         return -1;
-    }
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "this VAR model is already running a call in another thread");
         return -1;
@@ -95,27 +63,10 @@ static int claim(PyVAR *self) {
     return 0;
 }
 
-/* A C-contiguous array of the given type and rank, or NULL with ValueError. */
-static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char *what) {
-    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 0, 0,
-                                                          NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
-                                                              NPY_ARRAY_FORCECAST);
-    if (arr == NULL)
-        return NULL;
-    if (PyArray_NDIM(arr) != ndim) {
-        char shape[160];
-        mcpy_format_array_shape(shape, sizeof shape, arr);
-        PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got shape %s", what, ndim, shape);
-        Py_DECREF(arr);
-        return NULL;
-    }
-    return arr;
-}
-
 /* labels int32 [n] with every value in 0..num_classes (num_classes = the
  * null class), n >= 1. */
 static PyArrayObject *sequence_labels(PyVAR *self, PyObject *obj) {
-    PyArrayObject *labels = as_array(obj, NPY_INT32, 1, "labels");
+    PyArrayObject *labels = mcpy_array_arg(obj, NPY_INT32, 1, "labels");
     if (labels == NULL)
         return NULL;
     const int64_t n = PyArray_DIM(labels, 0), classes = self->var->config.num_classes;
@@ -144,6 +95,14 @@ static int scales_of_tokens(const mc_var_config *c, int64_t tokens) {
     return 0;
 }
 
+/* The tokens of the largest of scales 0..n_scales-1. */
+static int64_t largest_scale_rows(const mc_var_config *c, int n_scales) {
+    int64_t most = 0;
+    for (int s = 0; s < n_scales; s++)
+        most = c->patch_nums[s] * c->patch_nums[s] > most ? c->patch_nums[s] * c->patch_nums[s] : most;
+    return most;
+}
+
 static PyObject *bad_token_count(const mc_var_config *c, const char *what, int64_t got, int64_t offset) {
     char list[256];
     size_t used = 0;
@@ -163,11 +122,11 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     PyObject *labels_obj, *maps_obj;
     if (!PyArg_ParseTuple(args, "OO:scale_inputs", &labels_obj, &maps_obj))
         return NULL;
-    if (self->var == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
+        return NULL;
     const mc_var_config *c = &self->var->config;
     PyArrayObject *labels = sequence_labels(self, labels_obj);
-    PyArrayObject *maps = labels ? as_array(maps_obj, NPY_FLOAT32, 3, "next_maps") : NULL;
+    PyArrayObject *maps = labels ? mcpy_array_arg(maps_obj, NPY_FLOAT32, 3, "next_maps") : NULL;
     if (maps == NULL) {
         Py_XDECREF(labels);
         return NULL;
@@ -198,9 +157,7 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     const int32_t *label_data = PyArray_DATA(labels);
     const float *map_data = PyArray_DATA(maps);
     float *out_data = PyArray_DATA(out);
-    int64_t max_rows = 0;
-    for (int s = 0; s < n_scales; s++)
-        max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    const int64_t max_rows = largest_scale_rows(c, n_scales);
     Py_BEGIN_ALLOW_THREADS
     float *d_map = NULL, *host = malloc((size_t)(N * max_rows * (C > c->vae_channels ? C : c->vae_channels)) *
                                         sizeof(float));
@@ -283,15 +240,15 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|Op:forward_scales", keywords, &labels_obj, &inputs_obj,
                                      &cache_obj, &want_trace))
         return NULL;
-    if (self->var == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
+        return NULL;
     const mc_var_config *c = &self->var->config;
     void *policy_config = NULL;
     const mc_var_policy_ops *policy = NULL;
     if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
         return NULL;
     PyArrayObject *labels = sequence_labels(self, labels_obj);
-    PyArrayObject *inputs = labels ? as_array(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
+    PyArrayObject *inputs = labels ? mcpy_array_arg(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
     if (inputs == NULL) {
         Py_XDECREF(labels);
         free_policy_config(policy, policy_config);
@@ -325,9 +282,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     const int32_t *label_data = PyArray_DATA(labels);
     const float *in = PyArray_DATA(inputs);
     float *h_out = PyArray_DATA(hidden), *l_out = PyArray_DATA(logits);
-    int64_t max_rows = 0;
-    for (int s = 0; s < n_scales; s++)
-        max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    const int64_t max_rows = largest_scale_rows(c, n_scales);
     static const char no_config = 0;
     const mc_var_policy_ops *ops = policy ? policy : &mc_var_nocache_policy;
     mc_var_policy run_policy = {ops, NULL};
@@ -418,45 +373,24 @@ static int var_tail_dict(PyObject *d, const void *opaque, void *ctx) {
 }
 
 /* The policy named by the dict's "policy" key, its config filled from the
- * rest of the dict by the policy's field table and checked against the model. */
+ * rest of the dict by the policy's field table and checked against the
+ * model; NULL with the exception set. */
 static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config) {
-    *config = NULL;
-    if (!PyDict_Check(cache)) {
-        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from a marcache VAR cache policy's as_dict()");
-        return NULL;
-    }
-    PyObject *name_obj = PyDict_GetItemString(cache, "policy");
-    const char *name = name_obj && PyUnicode_Check(name_obj) ? PyUnicode_AsUTF8(name_obj) : NULL;
-    if (name == NULL) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "cache config: missing 'policy' (the policy's name)");
-        return NULL;
-    }
-    const mc_var_policy_ops *ops = mc_var_policy_find(name);
-    if (ops == NULL) {
-        PyErr_Format(PyExc_ValueError, "cache config: no VAR cache policy named '%s'", name);
-        return NULL;
-    }
-    *config = PyMem_Calloc(1, ops->schema.size);
-    if (*config == NULL) {
-        mcpy_no_memory("the cache policy's configuration", ops->schema.size);
-        return NULL;
-    }
+    const mc_config_schema *schema = mcpy_policy_config(cache, "VAR", mc_var_policy_schema, config);
+    /* The schema is the first member of the policy's ops table. */
+    const mc_var_policy_ops *ops = schema ? (const mc_var_policy_ops *)(const void *)schema : NULL;
     mc_err err = {0};
-    if (mcpy_fill_config(cache, name, ops->schema.fields, *config, ops->schema.size, "policy") < 0 ||
-        (ops->check(*config, model, &err) != MC_OK && mcpy_raise(&err) == NULL)) {
-        mcpy_free_config(ops->schema.fields, *config);
-        PyMem_Free(*config);
+    if (ops != NULL && ops->check(*config, model, &err) != MC_OK) {
+        mcpy_policy_config_free(schema, *config);
         *config = NULL;
+        mcpy_raise(&err);
         return NULL;
     }
     return ops;
 }
 
 static void free_policy_config(const mc_var_policy_ops *policy, void *config) {
-    if (policy != NULL)
-        mcpy_free_config(policy->schema.fields, config);
-    PyMem_Free(config);
+    mcpy_policy_config_free(policy ? &policy->schema : NULL, config);
 }
 
 /* generate(labels, vqvae, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,
@@ -472,8 +406,8 @@ static PyObject *var_generate(PyVAR *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|dLdpKKOO:generate", keywords, &labels_obj, &vqvae_obj, &cfg,
                                      &top_k, &top_p, &more_smooth, &seed, &first_index, &cache_obj, &callback))
         return NULL;
-    if (self->var == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
+        return NULL;
     if (first_index > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
     if (callback != Py_None && !PyCallable_Check(callback))
@@ -488,7 +422,7 @@ static PyObject *var_generate(PyVAR *self, PyObject *args, PyObject *kwargs) {
     const mc_var_policy_ops *policy = NULL;
     if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
         return NULL;
-    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
+    PyArrayObject *labels = mcpy_array_arg(labels_obj, NPY_INT32, 1, "labels");
     if (labels == NULL) {
         free_policy_config(policy, policy_config);
         return NULL;
@@ -534,15 +468,7 @@ static PyObject *var_get_config(PyVAR *self, void *closure) {
     if (self->var == NULL)
         Py_RETURN_NONE;
     const mc_var_config *c = &self->var->config;
-    PyObject *patch_nums = PyTuple_New(c->n_scales);
-    for (int i = 0; patch_nums != NULL && i < c->n_scales; i++) {
-        PyObject *v = PyLong_FromLongLong((long long)c->patch_nums[i]);
-        if (v == NULL) {
-            Py_CLEAR(patch_nums);
-            break;
-        }
-        PyTuple_SET_ITEM(patch_nums, i, v);
-    }
+    PyObject *patch_nums = mcpy_int_tuple(c->patch_nums, c->n_scales);
     if (patch_nums == NULL)
         return NULL;
     return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:N,s:L,s:i}", "depth", (long long)c->depth, "width",
@@ -555,21 +481,6 @@ static PyObject *var_get_config(PyVAR *self, void *closure) {
 static PyObject *var_get_num_params(PyVAR *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(self->var ? (long long)mc_var_num_params(self->var) : 0);
-}
-
-static PyObject *var_get_allocations(PyVAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
-}
-
-static PyObject *var_get_syncs(PyVAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
-}
-
-static PyObject *var_get_flops(PyVAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->dispatched_flops : 0);
 }
 
 static PyObject *var_get_device(PyVAR *self, void *closure) {
@@ -598,37 +509,12 @@ static PyMethodDef var_methods[] = {
 static PyGetSetDef var_getset[] = {
     {"config", (getter)var_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
     {"num_params", (getter)var_get_num_params, NULL, "number of parameters (buffers excluded)", NULL},
-    {"backend_allocations", (getter)var_get_allocations, NULL,
-     "allocations of backend memory so far (weights, activations, KV cache, scratch growth)", NULL},
-    {"backend_syncs", (getter)var_get_syncs, NULL,
-     "host waits for the backend so far: downloads and uploads over 1 MiB (counted alike on every backend)", NULL},
-    {"backend_flops", (getter)var_get_flops, NULL,
-     "FLOPs of the GEMM and attention ops dispatched so far (ops_list.h's convention); counted on the guard "
-     "backend only, 0 elsewhere", NULL},
+    MCPY_BACKEND_COUNTER_GETSETS,
     {"device", (getter)var_get_device, NULL, "the backend the model runs on", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject PyVAR_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "marcache._C.VAR",
-    .tp_basicsize = sizeof(PyVAR),
-    .tp_dealloc = (destructor)var_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "VAR(path, device='cpu', dtype='fp32', threads=0): a VAR transformer (var_fastvar.md Part A)",
-    .tp_methods = var_methods,
-    .tp_getset = var_getset,
-    .tp_init = (initproc)var_init,
-    .tp_new = PyType_GenericNew,
-};
+MCPY_MODEL_TYPE(var, PyVAR, "VAR",
+                "VAR(path, device='cpu', dtype='fp32', threads=0): a VAR transformer (var_fastvar.md Part A)");
 
-int mcpy_var_init(PyObject *module) {
-    if (PyType_Ready(&PyVAR_Type) < 0)
-        return -1;
-    Py_INCREF(&PyVAR_Type);
-    if (PyModule_AddObject(module, "VAR", (PyObject *)&PyVAR_Type) < 0) {
-        Py_DECREF(&PyVAR_Type);
-        return -1;
-    }
-    return 0;
-}
+int mcpy_var_init(PyObject *module) { return mcpy_add_type(module, &var_type, "VAR", NULL); }
