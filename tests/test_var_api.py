@@ -20,6 +20,7 @@ from mar_fixtures import write_tiny_mar
 from reference import inception as RI
 from reference import vae as ref_vae
 from var_api_files import TINY_VAR, write_tiny_var, write_tiny_vqvae, write_var_with_metadata
+from readme_blocks import readme_sweep_example
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 README = os.path.join(os.path.dirname(HERE), "README.md")
@@ -380,20 +381,12 @@ def _tiny_inception(tmp_path):
     return path
 
 
-def _readme_sweep_example():
-    text = open(README).read()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    found = [b for b in blocks if "def test_cache_keeps_fid" in b]
-    assert len(found) == 1, "README must hold exactly one pytest sweep example"
-    return found[0]
-
-
 def test_readme_pytest_sweep_example_runs_on_a_var(files, tmp_path):
     """The README's sweep example, verbatim, with only the model files changed to a VAR
     and its VQVAE (test_eval.py runs it on a MAR)."""
     from marcache import eval as ev
 
-    (tmp_path / "test_fid_sweep.py").write_text(_readme_sweep_example())
+    (tmp_path / "test_fid_sweep.py").write_text(readme_sweep_example())
     inception = _tiny_inception(tmp_path)
     net = ev.InceptionV3.load(inception)
     rng = np.random.default_rng(5)

@@ -203,40 +203,23 @@ def random_vqvae_weights(rng, ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2,
     ~ 1 + N(0, 0.05^2), codebook ~ N(0, 1)."""
     out = OrderedDict()
     for name, shape in vqvae_shapes(ch, ch_mult, num_res_blocks, z, vocab, num_phi).items():
-        zn = rng.standard_normal(shape)
         if name == "quantize.embedding.weight":
-            val = zn
-        elif len(shape) == 4:
-            val = scale * zn / math.sqrt(shape[1] * shape[2] * shape[3])
-        elif name.endswith(".weight"):
-            val = 1.0 + 0.05 * zn
+            out[name] = rng.standard_normal(shape).astype(np.float32)
         else:
-            val = 0.05 * zn
-        out[name] = val.astype(np.float32)
+            out[name] = ref_vae.random_decoder_tensor(rng, name, shape, scale)
     return out
 
 
 def vqvae_config(W):
     """dict(ch, ch_mult, num_res_blocks, z, vocab, num_phi) read back from the shapes."""
     levels = sorted({int(k.split(".")[2]) for k in W if k.startswith("decoder.up.")})
-    outs = [W["decoder.up.%d.block.0.conv1.weight" % L].shape[0] for L in levels]
-    ch = 0
-    for c in outs:
-        ch = math.gcd(ch, int(c))
-    nblocks = sum(1 for k in W if k.startswith("decoder.up.0.block.") and k.endswith(".norm1.weight"))
     vocab, z = W["quantize.embedding.weight"].shape
-    return dict(ch=ch, ch_mult=tuple(int(c) // ch for c in outs), num_res_blocks=nblocks - 1,
-                z=int(z), vocab=int(vocab), num_phi=count_phi(W))
+    return dict(ref_vae.decoder_levels_config(W, levels), z=int(z), vocab=int(vocab), num_phi=count_phi(W))
 
 
 def check_keys(W):
     """Raise unless W holds exactly the decoding keys/shapes of its configuration."""
-    want = vqvae_shapes(**vqvae_config(W))
-    for name, shape in want.items():
-        if name not in W:
-            raise KeyError("missing VQVAE key " + name)
-        if tuple(W[name].shape) != shape:
-            raise ValueError("VQVAE key %s has shape %s, want %s" % (name, W[name].shape, shape))
+    ref_vae.check_shapes(W, vqvae_shapes(**vqvae_config(W)), "VQVAE")
 
 
 # ==========================================================================
