@@ -32,6 +32,24 @@ mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int
  * conv2d and conv2d_ex. */
 float mc_cpu_prefill_bias(float *y, int64_t rows, int64_t cout, int64_t ldy, const float *bias, float beta);
 
+/* Balances `total_rows` rows over chunks of at most *rows_per_chunk rows
+ * (>= 1) for a static OpenMP schedule of `threads` threads: the chunk count
+ * becomes a multiple of the thread count where the rows allow, all chunks
+ * but the last of equal size. Updates *rows_per_chunk, returns the chunk
+ * count and lowers *threads to it when fewer. Shared by the im2col
+ * convolutions (conv2d, conv2d_ex). */
+static inline int64_t mc_cpu_balance_chunks(int64_t total_rows, int64_t *rows_per_chunk, int *threads) {
+    int64_t nchunks = (total_rows + *rows_per_chunk - 1) / *rows_per_chunk;
+    nchunks = (nchunks + *threads - 1) / *threads * *threads;
+    if (nchunks > total_rows)
+        nchunks = total_rows;
+    *rows_per_chunk = (total_rows + nchunks - 1) / nchunks;
+    nchunks = (total_rows + *rows_per_chunk - 1) / *rows_per_chunk;
+    if (*threads > nchunks)
+        *threads = (int)nchunks;
+    return nchunks;
+}
+
 /* Elementwise kernels shared by several ops. */
 float mc_gelu_erf(float x);
 float mc_silu(float x);
