@@ -31,6 +31,15 @@ def print_machine(sgemm_by_shape):
     print("sgemm GFLOP/s by shape: " + ", ".join(f"{k}: {v:.1f}" for k, v in sgemm_by_shape.items()), flush=True)
 
 
+def print_run_header(title, peak_before, peak_after):
+    """The results' heading: the run's title with the thread count, then the sgemm
+    peak measured before and after it (the larger is the machine's peak)."""
+    print()
+    print(f"{title}, threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
+    print(f"measured sgemm peak: {max(peak_before, peak_after):.1f} GFLOP/s (before {peak_before:.1f}, "
+          f"after {peak_after:.1f})")
+
+
 def print_table(header, rows):
     """A Markdown table: `header` a list of column titles, `rows` lists of cells."""
     print("| " + " | ".join(header) + " |")

@@ -18,7 +18,7 @@ import numpy as np
 
 import marcache as mc
 
-from _common import print_machine, print_table, sgemm_rate, write_json
+from _common import print_machine, print_run_header, print_table, sgemm_rate, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -71,11 +71,8 @@ def main():
         print(f"batch {batch}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s", flush=True)
     peak_after, _ = sgemm_rate(SGEMM_SHAPES, 5)
     peak = max(peak_before, peak_after)
-
-    print()
-    print(f"MAR-B (random weights), {args.steps} steps, cfg {args.cfg} linear, CPU fp32, "
-          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
-    print(f"measured sgemm peak: {peak:.1f} GFLOP/s (before {peak_before:.1f}, after {peak_after:.1f})")
+    print_run_header(f"MAR-B (random weights), {args.steps} steps, cfg {args.cfg} linear, CPU fp32", peak_before,
+                     peak_after)
     print_table(["batch", "s/image", "TFLOP/image", "achieved GFLOP/s", "% of sgemm"],
                 [[r["batch"], f"{r['seconds_per_image']:.2f}", f"{r['tflops'] / r['batch']:.3f}",
                   f"{r['gflops_per_s']:.1f}", f"{100 * r['gflops_per_s'] / peak:.0f}%"] for r in rows])

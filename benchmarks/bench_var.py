@@ -29,7 +29,7 @@ from marcache.convert.tensors import f32_to_bf16_bits
 from marcache.convert.var import var_expected_shapes
 from marcache.convert.writer import write_safetensors
 
-from _common import print_machine, print_table, sgemm_rate, write_json
+from _common import print_machine, print_run_header, print_table, sgemm_rate, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEPTHS = {"d16": 16, "d20": 20, "d24": 24, "d30": 30}
@@ -131,11 +131,7 @@ def main():
         del model
     peak_after, _ = sgemm_rate(SGEMM_SHAPES, 3)
     peak = max(peak_before, peak_after)
-
-    print()
-    print(f"VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32, "
-          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
-    print(f"measured sgemm peak: {peak:.1f} GFLOP/s (before {peak_before:.1f}, after {peak_after:.1f})")
+    print_run_header("VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32", peak_before, peak_after)
     print_table(["model", "batch", "loop s/image", "decode s/image", "GFLOP/image (loop)", "loop GFLOP/s",
                  "% of sgemm", "decode GFLOP/s"],
                 [[f"VAR-{r['model']}", r["batch"], f"{r['loop_seconds'] / r['batch']:.2f}",

@@ -189,8 +189,7 @@ class MARModel(LoadedModel):
 
     def __init__(self, mar, vae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
         super().__init__(path, vae_path, device, dtype)
-        self._mar = mar
-        self._vae = vae
+        self._mar, self._vae = mar, vae  # the _C.MAR and its decoder (_C.VAE, PixelDecoder or None)
 
     @property
     def config(self):

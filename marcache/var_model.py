@@ -49,8 +49,7 @@ class VARModel(LoadedModel):
 
     def __init__(self, var, vqvae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
         super().__init__(path, vae_path, device, dtype)
-        self._var = var
-        self._vqvae = vqvae
+        self._var, self._vqvae = var, vqvae  # the _C.VAR and its _C.VQVAE (or None)
 
     # ----------------------------------------------------------- facts
     @property

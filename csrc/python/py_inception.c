@@ -125,14 +125,14 @@ static PyMethodDef Inception_methods[] = {
 };
 
 static PyGetSetDef Inception_getset[] = {
-    {"feature_dim", (getter)Inception_get_feature_dim, NULL, "pool feature width (2048)", NULL},
-    {"num_classes", (getter)Inception_get_num_classes, NULL, "logit count (1008)", NULL},
-    {"num_params", (getter)Inception_get_num_params, NULL, "elements of every tensor read", NULL},
-    {"chunk", (getter)Inception_get_chunk, NULL, "images per forward pass", NULL},
-    {"standard", (getter)Inception_get_standard, NULL,
-     "True when every width is the FID network's (False for narrower test networks)", NULL},
-    {"flops_per_image", (getter)Inception_get_flops_per_image, NULL,
-     "convolution + fc FLOPs of one image at 299 x 299 (2 per multiply-add)", NULL},
+    MCPY_GETTER_ENTRY(Inception, feature_dim, "pool feature width (2048)"),
+    MCPY_GETTER_ENTRY(Inception, num_classes, "logit count (1008)"),
+    MCPY_GETTER_ENTRY(Inception, num_params, "elements of every tensor read"),
+    MCPY_GETTER_ENTRY(Inception, chunk, "images per forward pass"),
+    MCPY_GETTER_ENTRY(Inception, standard,
+     "True when every width is the FID network's (False for narrower test networks)"),
+    MCPY_GETTER_ENTRY(Inception, flops_per_image,
+     "convolution + fc FLOPs of one image at 299 x 299 (2 per multiply-add)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -435,10 +435,10 @@ static PyMethodDef mar_methods[] = {
 };
 
 static PyGetSetDef mar_getset[] = {
-    {"config", (getter)mar_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
-    {"num_params", (getter)mar_get_num_params, NULL, "number of parameters", NULL},
+    MCPY_GETTER_ENTRY(mar, config, "hyper-parameters read from the checkpoint"),
+    MCPY_GETTER_ENTRY(mar, num_params, "number of parameters"),
     MCPY_BACKEND_COUNTER_GETSETS,
-    {"timesteps", (getter)mar_get_timesteps, NULL, "original diffusion timesteps tau_j seen by the head", NULL},
+    MCPY_GETTER_ENTRY(mar, timesteps, "original diffusion timesteps tau_j seen by the head"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -79,6 +79,24 @@ int mcpy_add_type(PyObject *module, PyTypeObject *type, const char *name, PyMeth
         mcpy_model_dealloc((mcpy_model_object *)self, prefix##_release_model); \
     }
 
+/* The life cycle of a float32 model that waits for its lock and keeps an
+ * info struct (VAE, VQVAE): MCPY_MODEL_LIFECYCLE, the loader
+ * `<prefix>_load` (load_fn into self-><member>) and
+ * `<prefix>_init(path, num_threads=0, device='cpu')`, which fills
+ * self->info with info_fn after the load. */
+#define MCPY_PATH_MODEL(prefix, type, member, free_fn, load_fn, info_fn)                                      \
+    MCPY_MODEL_LIFECYCLE(prefix, type, member, free_fn)                                                     \
+    static mc_status prefix##_load(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {       \
+        return load_fn(backend, file, model, err);                                                          \
+    }                                                                                                       \
+    static int prefix##_init(type *self, PyObject *args, PyObject *kwds) {                                  \
+        if (mcpy_model_init_path_threads_device((mcpy_model_object *)self, args, kwds, #prefix,             \
+                                                prefix##_release_model, prefix##_load, &self->member) < 0) \
+            return -1;                                                                                      \
+        info_fn(self->member, &self->info);                                                                 \
+        return 0;                                                                                           \
+    }
+
 /* The type object `<prefix>_type` of a model binding: marcache._C.<py_name>,
  * objects of `type`, <prefix>_dealloc, <prefix>_init, <prefix>_methods and
  * <prefix>_getset, the docstring `doc`. */
@@ -106,6 +124,10 @@ int mcpy_require_loaded(const void *model, const char *what);
         (void)closure;                                                           \
         return mcpy_require_loaded(self->model, what) < 0 ? NULL : conv(self->info.field); \
     }
+
+/* The PyGetSetDef entry of a read-only attribute `field` served by
+ * <prefix>_get_<field>. */
+#define MCPY_GETTER_ENTRY(prefix, field, doc) {#field, (getter)prefix##_get_##field, NULL, doc, NULL}
 
 /* The return value of a call that ran with the GIL released: `out` when
  * `st` is MC_OK; otherwise `out` is released and err raised (NULL). */

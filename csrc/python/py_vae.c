@@ -18,19 +18,7 @@ typedef struct {
     mc_vae_info info;
 } VAEObject;
 
-MCPY_MODEL_LIFECYCLE(VAE, VAEObject, vae, mc_vae_free)
-
-static mc_status load_vae(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
-    return mc_vae_load(backend, file, (mc_vae **)model, err);
-}
-
-static int VAE_init(VAEObject *self, PyObject *args, PyObject *kwds) {
-    if (mcpy_model_init_path_threads_device((mcpy_model_object *)self, args, kwds, "VAE", VAE_release_model,
-                                            load_vae, &self->vae) < 0)
-        return -1;
-    mc_vae_get_info(self->vae, &self->info);
-    return 0;
-}
+MCPY_PATH_MODEL(VAE, VAEObject, vae, mc_vae_free, mc_vae_load, mc_vae_get_info)
 
 /* Validates tokens [n, S, C] (S a perfect square, C == z_channels) and
  * returns them as float32; *side gets sqrt(S). */
@@ -149,14 +137,13 @@ static PyMethodDef VAE_methods[] = {
 };
 
 static PyGetSetDef VAE_getset[] = {
-    {"z_channels", (getter)VAE_get_z_channels, NULL, "latent channels (token width)", NULL},
-    {"ch", (getter)VAE_get_ch, NULL, "base channel count", NULL},
-    {"ch_mult", (getter)VAE_get_ch_mult, NULL, "channel multipliers per level (tuple)", NULL},
-    {"num_res_blocks", (getter)VAE_get_num_res_blocks, NULL,
-     "Decoder num_res_blocks (each up level has this + 1 ResnetBlocks)", NULL},
-    {"num_params", (getter)VAE_get_num_params, NULL, "parameters bound (post_quant_conv + decoder)",
-     NULL},
-    {"upscale", (getter)VAE_get_upscale, NULL, "output side / latent side", NULL},
+    MCPY_GETTER_ENTRY(VAE, z_channels, "latent channels (token width)"),
+    MCPY_GETTER_ENTRY(VAE, ch, "base channel count"),
+    MCPY_GETTER_ENTRY(VAE, ch_mult, "channel multipliers per level (tuple)"),
+    MCPY_GETTER_ENTRY(VAE, num_res_blocks,
+     "Decoder num_res_blocks (each up level has this + 1 ResnetBlocks)"),
+    MCPY_GETTER_ENTRY(VAE, num_params, "parameters bound (post_quant_conv + decoder)"),
+    MCPY_GETTER_ENTRY(VAE, upscale, "output side / latent side"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 

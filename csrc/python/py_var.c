@@ -507,10 +507,10 @@ static PyMethodDef var_methods[] = {
 };
 
 static PyGetSetDef var_getset[] = {
-    {"config", (getter)var_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
-    {"num_params", (getter)var_get_num_params, NULL, "number of parameters (buffers excluded)", NULL},
+    MCPY_GETTER_ENTRY(var, config, "hyper-parameters read from the checkpoint"),
+    MCPY_GETTER_ENTRY(var, num_params, "number of parameters (buffers excluded)"),
     MCPY_BACKEND_COUNTER_GETSETS,
-    {"device", (getter)var_get_device, NULL, "the backend the model runs on", NULL},
+    MCPY_GETTER_ENTRY(var, device, "the backend the model runs on"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -137,19 +137,7 @@ static int vq_ready(VQVAEObject *self) { return mcpy_require_loaded(self->vq, "V
 
 /* --------------------------------------------------------------- lifetime */
 
-MCPY_MODEL_LIFECYCLE(VQVAE, VQVAEObject, vq, mc_vqvae_free)
-
-static mc_status load_vqvae(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
-    return mc_vqvae_load(backend, file, (mc_vqvae **)model, err);
-}
-
-static int VQVAE_init(VQVAEObject *self, PyObject *args, PyObject *kwds) {
-    if (mcpy_model_init_path_threads_device((mcpy_model_object *)self, args, kwds, "VQVAE", VQVAE_release_model,
-                                            load_vqvae, &self->vq) < 0)
-        return -1;
-    mc_vqvae_get_info(self->vq, &self->info);
-    return 0;
-}
+MCPY_PATH_MODEL(VQVAE, VQVAEObject, vq, mc_vqvae_free, mc_vqvae_load, mc_vqvae_get_info)
 
 /* ------------------------------------------------------------------ decode */
 
@@ -506,11 +494,9 @@ static PyMethodDef VQVAE_methods[] = {
 };
 
 static PyGetSetDef VQVAE_getset[] = {
-    {"config", (getter)VQVAE_get_config, NULL,
-     "dict: vocab, z_channels, ch, ch_mult, num_res_blocks, num_phi, upscale, quant_resi, num_params",
-     NULL},
-    {"num_params", (getter)VQVAE_get_num_params, NULL,
-     "parameters bound (codebook, Phi convs, post_quant_conv, decoder)", NULL},
+    MCPY_GETTER_ENTRY(VQVAE, config,
+                      "dict: vocab, z_channels, ch, ch_mult, num_res_blocks, num_phi, upscale, quant_resi, num_params"),
+    MCPY_GETTER_ENTRY(VQVAE, num_params, "parameters bound (codebook, Phi convs, post_quant_conv, decoder)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -58,16 +58,27 @@ def level_channels(ch, ch_mult, num_res_blocks):
 def vae_shapes(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, out_ch=3):
     """OrderedDict key -> shape of post_quant_conv + decoder, in
     state_dict order (Appendix B for the default configuration)."""
+    s = [("post_quant_conv.weight", (z, z, 1, 1)), ("post_quant_conv.bias", (z,))]
+    return OrderedDict(s + decoder_shapes(ch, ch_mult, num_res_blocks, z, out_ch, _attn_shapes, False))
+
+
+def decoder_shapes(ch, ch_mult, num_res_blocks, z, out_ch, attn_shapes, top_level_attention):
+    """[(key, shape)] of decoder.* in state_dict order: conv_in, the mid blocks, the up
+    levels (with an attention block after each ResnetBlock of the top level when
+    `top_level_attention`, as VAR's VQVAE has), norm_out and conv_out. `attn_shapes`
+    (prefix, channels) gives an attention block's tensors."""
     top = ch * ch_mult[-1]
-    s = [("post_quant_conv.weight", (z, z, 1, 1)), ("post_quant_conv.bias", (z,)),
-         ("decoder.conv_in.weight", (top, z, 3, 3)), ("decoder.conv_in.bias", (top,))]
+    s = [("decoder.conv_in.weight", (top, z, 3, 3)), ("decoder.conv_in.bias", (top,))]
     s += _resnet_shapes("decoder.mid.block_1", top, top)
-    s += _attn_shapes("decoder.mid.attn_1", top)
+    s += attn_shapes("decoder.mid.attn_1", top)
     s += _resnet_shapes("decoder.mid.block_2", top, top)
     chans = level_channels(ch, ch_mult, num_res_blocks)
-    for level in range(len(ch_mult)):
+    levels = len(ch_mult)
+    for level in range(levels):
         for b, (cin, cout) in enumerate(chans[level]):
             s += _resnet_shapes("decoder.up.%d.block.%d" % (level, b), cin, cout)
+            if top_level_attention and level == levels - 1:
+                s += attn_shapes("decoder.up.%d.attn.%d" % (level, b), cout)
         if level != 0:
             c = chans[level][-1][1]
             s += [("decoder.up.%d.upsample.conv.weight" % level, (c, c, 3, 3)),
@@ -75,7 +86,7 @@ def vae_shapes(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, out_ch=3
     bottom = ch * ch_mult[0]
     s += [("decoder.norm_out.weight", (bottom,)), ("decoder.norm_out.bias", (bottom,)),
           ("decoder.conv_out.weight", (out_ch, bottom, 3, 3)), ("decoder.conv_out.bias", (out_ch,))]
-    return OrderedDict(s)
+    return s
 
 
 def random_vae_weights(rng, ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, out_ch=3,

@@ -169,31 +169,12 @@ def vqvae_shapes(ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=32, vocab=
     """OrderedDict key -> shape of the decoding tensors (B5): the codebook,
     the Phi convs, post_quant_conv (3x3) and decoder.*, whose top level has
     an attention block after each of its ResnetBlocks."""
-    top = ch * ch_mult[-1]
     s = [("quantize.embedding.weight", (vocab, z))]
     for k in range(num_phi):
         s += [("quantize.quant_resi.qresi_ls.%d.weight" % k, (z, z, 3, 3)),
               ("quantize.quant_resi.qresi_ls.%d.bias" % k, (z,))]
-    s += [("post_quant_conv.weight", (z, z, 3, 3)), ("post_quant_conv.bias", (z,)),
-          ("decoder.conv_in.weight", (top, z, 3, 3)), ("decoder.conv_in.bias", (top,))]
-    s += ref_vae._resnet_shapes("decoder.mid.block_1", top, top)
-    s += _attn_shapes("decoder.mid.attn_1", top)
-    s += ref_vae._resnet_shapes("decoder.mid.block_2", top, top)
-    chans = ref_vae.level_channels(ch, ch_mult, num_res_blocks)
-    levels = len(ch_mult)
-    for level in range(levels):
-        for b, (cin, cout) in enumerate(chans[level]):
-            s += ref_vae._resnet_shapes("decoder.up.%d.block.%d" % (level, b), cin, cout)
-            if level == levels - 1:
-                s += _attn_shapes("decoder.up.%d.attn.%d" % (level, b), cout)
-        if level != 0:
-            c = chans[level][-1][1]
-            s += [("decoder.up.%d.upsample.conv.weight" % level, (c, c, 3, 3)),
-                  ("decoder.up.%d.upsample.conv.bias" % level, (c,))]
-    bottom = ch * ch_mult[0]
-    s += [("decoder.norm_out.weight", (bottom,)), ("decoder.norm_out.bias", (bottom,)),
-          ("decoder.conv_out.weight", (3, bottom, 3, 3)), ("decoder.conv_out.bias", (3,))]
-    return OrderedDict(s)
+    s += [("post_quant_conv.weight", (z, z, 3, 3)), ("post_quant_conv.bias", (z,))]
+    return OrderedDict(s + ref_vae.decoder_shapes(ch, ch_mult, num_res_blocks, z, 3, _attn_shapes, True))
 
 
 def random_vqvae_weights(rng, ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=32, vocab=4096,

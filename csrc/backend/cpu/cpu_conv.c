@@ -334,17 +334,13 @@ mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t h
     /* One GEMM per OpenMP thread (mc_cpu_sgemm runs serially inside a
      * parallel region). Chunks in a multiple of the thread count and of
      * equal size, so the static schedule is balanced. */
-    const int64_t nchunks = mc_cpu_balance_chunks(total_rows, &rows_per_chunk, &threads);
     float *cols[62] = {0};
-    for (int t = 0; t < threads && ksize > 1; t++) {
-        cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
-        if (cols[t] == NULL)
-            return err->status;
-    }
+    int64_t nchunks;
+    MC_TRY(mc_cpu_plan_chunks(be, total_rows, row_floats, &rows_per_chunk, &threads, cols, &nchunks, err));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t chunk = 0; chunk < nchunks; chunk++) {
-        int64_t row0 = chunk * rows_per_chunk;
-        int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
+        int64_t nrows;
+        int64_t row0 = mc_cpu_chunk_rows(chunk, rows_per_chunk, total_rows, &nrows);
         conv_chunk(x, height, width, cin, w, bias, cout, ksize, beta, y, row0, nrows,
                    cols[omp_get_thread_num()]);
     }

@@ -170,17 +170,12 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
     int64_t rows_per_chunk = (int64_t)(MC_WIN_CHUNK_FLOATS / (size_t)row_floats);
     if (rows_per_chunk < 1)
         rows_per_chunk = 1;
-    const int64_t nchunks = mc_cpu_balance_chunks(total_rows, &rows_per_chunk, &threads);
     float *cols[MC_WIN_MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) {
-        cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
-        if (cols[t] == NULL)
-            return err->status;
-    }
+    int64_t nchunks;
+    MC_TRY(mc_cpu_plan_chunks(be, total_rows, row_floats, &rows_per_chunk, &threads, cols, &nchunks, err));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t chunk = 0; chunk < nchunks; chunk++) {
-        int64_t row0 = chunk * rows_per_chunk;
-        int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
+        int64_t nrows, row0 = mc_cpu_chunk_rows(chunk, rows_per_chunk, total_rows, &nrows);
         float *col = cols[omp_get_thread_num()];
         im2col_window(g, x, cin, ldx, oh, ow, row0, nrows, col);
         const int64_t pixels = nrows * ow;
