@@ -175,6 +175,14 @@ class LoadedModel:
             raise ValueError(f"num_images={num_images!r} does not match {arr.size} labels")
         return arr.astype(np.int32)
 
+    def _decoded(self, latent, info, return_info):
+        """generate()'s images: decode(latent), its time in info.seconds_decode; with
+        return_info, (images, info)."""
+        t0 = time.perf_counter()
+        images = self.decode(latent)
+        info.seconds_decode = time.perf_counter() - t0
+        return (images, info) if return_info else images
+
 
 class MARModel(LoadedModel):
     """A loaded MAR model (and optionally its KL-16 VAE decoder).
@@ -268,10 +276,7 @@ class MARModel(LoadedModel):
                                             temperature=temperature, seed=seed, first_index=first_index,
                                             cache=cache, progress=progress, num_images=num_images,
                                             return_info=True)
-        t0 = time.perf_counter()
-        images = self.decode(tokens)
-        info.seconds_decode = time.perf_counter() - t0
-        return (images, info) if return_info else images
+        return self._decoded(tokens, info, return_info)
 
     # ----------------------------------------------------------- components
     def transformer(self, tokens, mask, labels):

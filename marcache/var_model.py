@@ -3,7 +3,6 @@ var_fastvar.md Parts A-B). Generation runs in the C engine (marcache._C.VAR) thr
 the one Python driver (marcache/_driver.py), as MARModel's does."""
 import math
 import numbers
-import time
 
 import numpy as np
 
@@ -140,10 +139,7 @@ class VARModel(LoadedModel):
                                                    more_smooth=more_smooth, seed=seed, first_index=first_index,
                                                    cache=cache, progress=progress, num_images=num_images,
                                                    return_info=True)
-        t0 = time.perf_counter()
-        images = self.decode(f_hat)
-        info.seconds_decode = time.perf_counter() - t0
-        return (images, info) if return_info else images
+        return self._decoded(f_hat, info, return_info)
 
     # ----------------------------------------------------------- components
     def _fhat_of(self, tokens_or_fhat):

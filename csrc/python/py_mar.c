@@ -97,18 +97,28 @@ static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
 
 /* The policy named by the dict's "policy" key, its config filled from the
  * rest of the dict (the Python policy's own fields) and checked against the
- * model; NULL with the exception set. */
-static const mc_mar_policy_ops *parse_policy(PyObject *cache, const mc_mar_config *model, void **config) {
+ * model, into *ops and *config (both NULL for cache=None); 0, or -1 with
+ * the exception set. */
+static int parse_policy(PyObject *cache, const mc_mar_config *model, const mc_mar_policy_ops **ops,
+                        void **config) {
+    *ops = NULL;
+    *config = NULL;
+    if (cache == Py_None)
+        return 0;
     const mc_config_schema *schema = mcpy_policy_config(cache, "MAR", mc_mar_policy_schema, config);
-    const mc_mar_policy_ops *ops = schema ? mc_mar_policy_of(schema) : NULL;
+    if (schema == NULL)
+        return -1;
     mc_err err = {0};
-    if (ops != NULL && ops->check(*config, model, &err) != MC_OK) {
-        mcpy_raise(&err);
+    /* The schema is the first member of the policy's ops table. */
+    const mc_mar_policy_ops *found = mc_mar_policy_of(schema);
+    if (found->check(*config, model, &err) != MC_OK) {
         mcpy_policy_config_free(schema, *config);
         *config = NULL;
-        return NULL;
+        mcpy_raise(&err);
+        return -1;
     }
-    return ops;
+    *ops = found;
+    return 0;
 }
 
 static void free_policy_config(const mc_mar_policy_ops *policy, void *config) {
@@ -138,9 +148,9 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
         return PyErr_Format(PyExc_ValueError, "cfg_schedule must be 'linear' or 'constant', got '%s'", schedule_name);
     if (first_index > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
-    void *policy_config = NULL;
-    const mc_mar_policy_ops *policy = NULL;
-    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, &self->mar->config, &policy_config)) == NULL)
+    void *policy_config;
+    const mc_mar_policy_ops *policy;
+    if (parse_policy(cache_obj, &self->mar->config, &policy, &policy_config) < 0)
         return NULL;
     PyArrayObject *labels = mcpy_array_arg(labels_obj, NPY_INT32, 1, "labels");
     if (labels == NULL) {
@@ -191,13 +201,14 @@ static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
     if (mcpy_require_loaded(self->mar, "MAR model") < 0)
         return NULL;
     const mc_mar_config *c = &self->mar->config;
-    PyArrayObject *tok = mcpy_array_arg(tok_obj, NPY_FLOAT32, 3, "tokens");
-    PyArrayObject *mask = tok ? mcpy_array_arg(mask_obj, NPY_UINT8, 2, "mask") : NULL;
-    PyArrayObject *lab = mask ? mcpy_array_arg(lab_obj, NPY_INT32, 1, "labels") : NULL;
+    PyArrayObject *arrays[3];
+    const mcpy_array_spec specs[3] = {{tok_obj, NPY_FLOAT32, 3, "tokens"}, {mask_obj, NPY_UINT8, 2, "mask"},
+                                      {lab_obj, NPY_INT32, 1, "labels"}};
+    if (mcpy_arrays_arg(3, specs, arrays) < 0)
+        return NULL;
+    PyArrayObject *tok = arrays[0], *mask = arrays[1], *lab = arrays[2];
     PyObject *result = NULL;
     int32_t *known = NULL, *out_rows = NULL;
-    if (lab == NULL)
-        goto done;
     const int64_t B = PyArray_DIM(tok, 0), S = c->seq_len;
     if (PyArray_DIM(tok, 1) != S || PyArray_DIM(tok, 2) != c->token_channels || PyArray_DIM(mask, 0) != B ||
         PyArray_DIM(mask, 1) != S || PyArray_DIM(lab, 0) != B) {
@@ -271,9 +282,7 @@ static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
 done:
     PyMem_Free(known);
     PyMem_Free(out_rows);
-    Py_XDECREF(tok);
-    Py_XDECREF(mask);
-    Py_XDECREF(lab);
+    mcpy_arrays_release(3, arrays);
     return result;
 }
 
@@ -288,25 +297,23 @@ static PyObject *mar_head(PyMAR *self, PyObject *args) {
     const mc_mar_config *c = &self->mar->config;
     if (t_index < 0 || t_index >= self->diffusion.n_steps)
         return PyErr_Format(PyExc_ValueError, "timestep index must be in 0..%d", self->diffusion.n_steps - 1);
-    PyArrayObject *x = mcpy_array_arg(x_obj, NPY_FLOAT32, 2, "x");
-    PyArrayObject *z = x ? mcpy_array_arg(z_obj, NPY_FLOAT32, 2, "z") : NULL;
-    if (z == NULL) {
-        Py_XDECREF(x);
+    PyArrayObject *arrays[2];
+    const mcpy_array_spec specs[2] = {{x_obj, NPY_FLOAT32, 2, "x"}, {z_obj, NPY_FLOAT32, 2, "z"}};
+    if (mcpy_arrays_arg(2, specs, arrays) < 0)
         return NULL;
-    }
+    PyArrayObject *x = arrays[0], *z = arrays[1], *out = NULL;
     const int64_t N = PyArray_DIM(x, 0);
     if (PyArray_DIM(x, 1) != c->token_channels || PyArray_DIM(z, 0) != N || PyArray_DIM(z, 1) != c->dec_width) {
-        Py_DECREF(x);
-        Py_DECREF(z);
-        return PyErr_Format(PyExc_ValueError, "expected x [N, %lld] and z [N, %lld]", (long long)c->token_channels,
-                            (long long)c->dec_width);
+        PyErr_Format(PyExc_ValueError, "expected x [N, %lld] and z [N, %lld]", (long long)c->token_channels,
+                     (long long)c->dec_width);
+        mcpy_arrays_release(2, arrays);
+        return NULL;
     }
     npy_intp dims[2] = {(npy_intp)N, (npy_intp)(2 * c->token_channels)};
-    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
     if (out == NULL || claim(self) < 0) {
-        Py_DECREF(x);
-        Py_DECREF(z);
         Py_XDECREF(out);
+        mcpy_arrays_release(2, arrays);
         return NULL;
     }
     mc_err err = {0};
@@ -333,8 +340,7 @@ static PyObject *mar_head(PyMAR *self, PyObject *args) {
         st = be->ops->download(be, PyArray_DATA(out), d_out, (size_t)(N * 2 * C) * sizeof(float), &err);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    Py_DECREF(x);
-    Py_DECREF(z);
+    mcpy_arrays_release(2, arrays);
     return mcpy_result(st, &err, (PyObject *)out);
 }
 
@@ -350,12 +356,13 @@ static PyObject *mar_head_sample(PyMAR *self, PyObject *args, PyObject *kwargs) 
     if (mcpy_require_loaded(self->mar, "MAR model") < 0)
         return NULL;
     const mc_mar_config *c = &self->mar->config;
-    PyArrayObject *z = mcpy_array_arg(z_obj, NPY_FLOAT32, 2, "z");
-    PyArrayObject *img = z ? mcpy_array_arg(img_obj, NPY_UINT32, 1, "images") : NULL;
-    PyArrayObject *pos = img ? mcpy_array_arg(pos_obj, NPY_UINT32, 1, "positions") : NULL;
+    PyArrayObject *arrays[3];
+    const mcpy_array_spec specs[3] = {{z_obj, NPY_FLOAT32, 2, "z"}, {img_obj, NPY_UINT32, 1, "images"},
+                                      {pos_obj, NPY_UINT32, 1, "positions"}};
+    if (mcpy_arrays_arg(3, specs, arrays) < 0)
+        return NULL;
+    PyArrayObject *z = arrays[0], *img = arrays[1], *pos = arrays[2];
     PyObject *result = NULL;
-    if (pos == NULL)
-        goto done;
     const int cfg_on = cfg != 1.0;
     const int64_t n = PyArray_DIM(img, 0), zrows = PyArray_DIM(z, 0);
     if (PyArray_DIM(pos, 0) != n || zrows != (cfg_on ? 2 * n : n) || PyArray_DIM(z, 1) != c->dec_width) {
@@ -385,9 +392,7 @@ static PyObject *mar_head_sample(PyMAR *self, PyObject *args, PyObject *kwargs) 
     self->busy = 0;
     result = mcpy_result(st, &err, (PyObject *)x);
 done:
-    Py_XDECREF(z);
-    Py_XDECREF(img);
-    Py_XDECREF(pos);
+    mcpy_arrays_release(3, arrays);
     return result;
 }
 

@@ -142,6 +142,22 @@ PyArrayObject *mcpy_array_arg(PyObject *obj, int typenum, int ndim, const char *
     return arr;
 }
 
+int mcpy_arrays_arg(int count, const mcpy_array_spec *spec, PyArrayObject **out) {
+    for (int i = 0; i < count; i++)
+        out[i] = NULL;
+    for (int i = 0; i < count; i++)
+        if ((out[i] = mcpy_array_arg(spec[i].obj, spec[i].typenum, spec[i].ndim, spec[i].what)) == NULL) {
+            mcpy_arrays_release(i, out);
+            return -1;
+        }
+    return 0;
+}
+
+void mcpy_arrays_release(int count, PyArrayObject **arrays) {
+    for (int i = 0; i < count; i++)
+        Py_CLEAR(arrays[i]);
+}
+
 PyObject *mcpy_int_tuple(const int64_t *values, Py_ssize_t n) {
     PyObject *tuple = PyTuple_New(n);
     for (Py_ssize_t i = 0; tuple != NULL && i < n; i++) {

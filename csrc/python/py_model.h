@@ -141,6 +141,18 @@ PyArrayObject *mcpy_float32_arg(PyObject *obj, const char *what);
  * with ValueError naming `what` and the shape it got. */
 PyArrayObject *mcpy_array_arg(PyObject *obj, int typenum, int ndim, const char *what);
 
+/* Several array arguments at once (mcpy_array_arg each, in order): 0 with
+ * out[0..count) set, or -1 with the exception set and every out[i] NULL. */
+typedef struct mcpy_array_spec {
+    PyObject *obj;
+    int typenum, ndim;
+    const char *what;
+} mcpy_array_spec;
+int mcpy_arrays_arg(int count, const mcpy_array_spec *spec, PyArrayObject **out);
+
+/* Releases out[0..count) of mcpy_arrays_arg (NULL entries allowed). */
+void mcpy_arrays_release(int count, PyArrayObject **arrays);
+
 /* A tuple of Python ints of values[0..n). */
 PyObject *mcpy_int_tuple(const int64_t *values, Py_ssize_t n);
 

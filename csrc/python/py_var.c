@@ -103,6 +103,26 @@ static int64_t largest_scale_rows(const mc_var_config *c, int n_scales) {
     return most;
 }
 
+/* Uploads rows begin..begin+n-1 of each of the N sequences of `seqs` (host,
+ * [N, seq_rows, width]) to `dev` ([N, n, width]) through the host staging
+ * buffer `stage`. */
+static mc_status upload_scale(mc_backend *be, float *dev, const float *seqs, int64_t N, int64_t seq_rows, int64_t begin,
+                              int64_t n, int64_t width, float *stage, mc_err *err) {
+    for (int64_t b = 0; b < N; b++)
+        memcpy(stage + b * n * width, seqs + (b * seq_rows + begin) * width, (size_t)(n * width) * sizeof(float));
+    return be->ops->upload(be, dev, stage, (size_t)(N * n * width) * sizeof(float), err);
+}
+
+/* The reverse of upload_scale: `dev` [N, n, width] into rows begin.. of
+ * each sequence of `seqs` [N, seq_rows, width]. */
+static mc_status download_scale(mc_backend *be, float *seqs, const float *dev, int64_t N, int64_t seq_rows,
+                                int64_t begin, int64_t n, int64_t width, float *stage, mc_err *err) {
+    mc_status st = be->ops->download(be, stage, dev, (size_t)(N * n * width) * sizeof(float), err);
+    for (int64_t b = 0; st == MC_OK && b < N; b++)
+        memcpy(seqs + (b * seq_rows + begin) * width, stage + b * n * width, (size_t)(n * width) * sizeof(float));
+    return st;
+}
+
 static PyObject *bad_token_count(const mc_var_config *c, const char *what, int64_t got, int64_t offset) {
     char list[256];
     size_t used = 0;
@@ -154,7 +174,6 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     mc_status st = MC_OK;
     mc_var *var = self->var;
     mc_backend *be = self->backend;
-    const int32_t *label_data = PyArray_DATA(labels);
     const float *map_data = PyArray_DATA(maps);
     float *out_data = PyArray_DATA(out);
     const int64_t max_rows = largest_scale_rows(c, n_scales);
@@ -166,7 +185,7 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK)
-        st = mc_var_condition(var, label_data, N, &err);
+        st = mc_var_condition(var, PyArray_DATA(labels), N, &err);
     if (st == MC_OK && (d_map = be->ops->alloc(be, (size_t)(N * max_rows * c->vae_channels) * sizeof(float), &err)) ==
                            NULL)
         st = err.status;
@@ -175,17 +194,12 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
         if (s == 0) {
             st = mc_var_first_input(var, N, var->acts.x, &err);
         } else {
-            for (int64_t b = 0; b < N; b++)
-                memcpy(host + b * n * c->vae_channels, map_data + (b * T + begin - first) * c->vae_channels,
-                       (size_t)(n * c->vae_channels) * sizeof(float));
-            st = be->ops->upload(be, d_map, host, (size_t)(N * n * c->vae_channels) * sizeof(float), &err);
+            st = upload_scale(be, d_map, map_data, N, T, begin - first, n, c->vae_channels, host, &err);
             if (st == MC_OK)
                 st = mc_var_scale_input(var, s, d_map, N, 1, var->acts.x, &err);
         }
         if (st == MC_OK)
-            st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
-        for (int64_t b = 0; st == MC_OK && b < N; b++)
-            memcpy(out_data + (b * Lk + begin) * C, host + b * n * C, (size_t)(n * C) * sizeof(float));
+            st = download_scale(be, out_data, var->acts.x, N, Lk, begin, n, C, host, &err);
     }
     if (d_map != NULL)
         be->ops->release(be, d_map);
@@ -202,7 +216,8 @@ done:
     return (PyObject *)out;
 }
 
-static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config);
+static int parse_policy(PyObject *cache, const mc_var_config *model, const mc_var_policy_ops **ops,
+                        void **config);
 static void free_policy_config(const mc_var_policy_ops *policy, void *config);
 
 /* One int32 array [depth, 2, N, n] per scale, every entry's rows 0..n-1:
@@ -243,9 +258,9 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     if (mcpy_require_loaded(self->var, "VAR model") < 0)
         return NULL;
     const mc_var_config *c = &self->var->config;
-    void *policy_config = NULL;
-    const mc_var_policy_ops *policy = NULL;
-    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
+    void *policy_config;
+    const mc_var_policy_ops *policy;
+    if (parse_policy(cache_obj, c, &policy, &policy_config) < 0)
         return NULL;
     PyArrayObject *labels = sequence_labels(self, labels_obj);
     PyArrayObject *inputs = labels ? mcpy_array_arg(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
@@ -279,7 +294,6 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     mc_status st = MC_OK;
     mc_var *var = self->var;
     mc_backend *be = self->backend;
-    const int32_t *label_data = PyArray_DATA(labels);
     const float *in = PyArray_DATA(inputs);
     float *h_out = PyArray_DATA(hidden), *l_out = PyArray_DATA(logits);
     const int64_t max_rows = largest_scale_rows(c, n_scales);
@@ -297,7 +311,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
         st = ops->create(var, policy ? policy_config : &no_config, &shape, &run_policy.state, &err);
     }
     if (st == MC_OK)
-        st = mc_var_condition(var, label_data, N, &err);
+        st = mc_var_condition(var, PyArray_DATA(labels), N, &err);
     for (int s = 0; s < n_scales && st == MC_OK; s++) {
         const int64_t pn = c->patch_nums[s], n = pn * pn, begin = c->scale_begin[s];
         if (!ops->scale_plan(run_policy.state, s)) {
@@ -305,24 +319,18 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
                          "skips", s, ops->schema.name);
             break;
         }
-        for (int64_t b = 0; b < N; b++)
-            memcpy(host + b * n * C, in + (b * Lk + begin) * C, (size_t)(n * C) * sizeof(float));
-        st = be->ops->upload(be, var->acts.x, host, (size_t)(N * n * C) * sizeof(float), &err);
+        st = upload_scale(be, var->acts.x, in, N, Lk, begin, n, C, host, &err);
         mc_var_scale scale = {.si = s, .n_scales = c->n_scales, .n_seq = N, .pn = pn, .tokens = n, .begin = begin,
                               .x = var->acts.x, .trace_rows = trace_data[s]};
         mc_var_transformer_stats stats = {0};
         if (st == MC_OK)
             st = ops->transformer(run_policy.state, &scale, &stats, &err);
         if (st == MC_OK)
-            st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
-        for (int64_t b = 0; st == MC_OK && b < N; b++)
-            memcpy(h_out + (b * Lk + begin) * C, host + b * n * C, (size_t)(n * C) * sizeof(float));
+            st = download_scale(be, h_out, var->acts.x, N, Lk, begin, n, C, host, &err);
         if (st == MC_OK)
             st = mc_var_logits(var, var->acts.x, N, n, var->acts.logits, &err);
         if (st == MC_OK)
-            st = be->ops->download(be, host, var->acts.logits, (size_t)(N * n * V) * sizeof(float), &err);
-        for (int64_t b = 0; st == MC_OK && b < N; b++)
-            memcpy(l_out + (b * Lk + begin) * V, host + b * n * V, (size_t)(n * V) * sizeof(float));
+            st = download_scale(be, l_out, var->acts.logits, N, Lk, begin, n, V, host, &err);
     }
     if (run_policy.state != NULL)
         ops->free(run_policy.state);
@@ -374,19 +382,28 @@ static int var_tail_dict(PyObject *d, const void *opaque, void *ctx) {
 
 /* The policy named by the dict's "policy" key, its config filled from the
  * rest of the dict by the policy's field table and checked against the
- * model; NULL with the exception set. */
-static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config) {
+ * model, into *ops and *config (both NULL for cache=None); 0, or -1 with
+ * the exception set. */
+static int parse_policy(PyObject *cache, const mc_var_config *model, const mc_var_policy_ops **ops,
+                        void **config) {
+    *ops = NULL;
+    *config = NULL;
+    if (cache == Py_None)
+        return 0;
     const mc_config_schema *schema = mcpy_policy_config(cache, "VAR", mc_var_policy_schema, config);
-    /* The schema is the first member of the policy's ops table. */
-    const mc_var_policy_ops *ops = schema ? (const mc_var_policy_ops *)(const void *)schema : NULL;
+    if (schema == NULL)
+        return -1;
     mc_err err = {0};
-    if (ops != NULL && ops->check(*config, model, &err) != MC_OK) {
+    /* The schema is the first member of the policy's ops table. */
+    const mc_var_policy_ops *found = (const mc_var_policy_ops *)(const void *)schema;
+    if (found->check(*config, model, &err) != MC_OK) {
         mcpy_policy_config_free(schema, *config);
         *config = NULL;
         mcpy_raise(&err);
-        return NULL;
+        return -1;
     }
-    return ops;
+    *ops = found;
+    return 0;
 }
 
 static void free_policy_config(const mc_var_policy_ops *policy, void *config) {
@@ -418,9 +435,9 @@ static PyObject *var_generate(PyVAR *self, PyObject *args, PyObject *kwargs) {
     if (mcpy_vqvae_borrow(vqvae_obj, &vq, &vq_backend, &vq_lock) < 0)
         return NULL;
     const mc_var_config *c = &self->var->config;
-    void *policy_config = NULL;
-    const mc_var_policy_ops *policy = NULL;
-    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
+    void *policy_config;
+    const mc_var_policy_ops *policy;
+    if (parse_policy(cache_obj, c, &policy, &policy_config) < 0)
         return NULL;
     PyArrayObject *labels = mcpy_array_arg(labels_obj, NPY_INT32, 1, "labels");
     if (labels == NULL) {

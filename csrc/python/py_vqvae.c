@@ -133,6 +133,28 @@ static void call_release(call_buffers *cb) {
     cb->count = 0;
 }
 
+/* A call's GIL-free section: the GIL released (the thread state saved in
+ * `cancel`, for Ctrl-C checks), the object's lock held, and the backend
+ * buffers the call allocates (call_alloc on `cb`) released at its end. */
+typedef struct vq_call {
+    call_buffers cb;
+    mcpy_cancel_ctx cancel;
+    PyThread_type_lock lock;
+} vq_call;
+
+static void vq_call_begin(VQVAEObject *self, vq_call *call) {
+    call->cb = (call_buffers){.be = self->backend};
+    call->lock = self->lock;
+    call->cancel.thread_state = PyEval_SaveThread();
+    PyThread_acquire_lock(call->lock, WAIT_LOCK);
+}
+
+static void vq_call_end(vq_call *call) {
+    call_release(&call->cb);
+    PyThread_release_lock(call->lock);
+    PyEval_RestoreThread(call->cancel.thread_state);
+}
+
 static int vq_ready(VQVAEObject *self) { return mcpy_require_loaded(self->vq, "VQVAE") == 0; }
 
 /* --------------------------------------------------------------- lifetime */
@@ -172,13 +194,11 @@ static PyObject *vq_decode_impl(VQVAEObject *self, PyObject *obj, int as_uint8) 
     }
     mc_err err = {0};
     mc_status st = MC_OK;
-    call_buffers cb = {.be = self->backend};
-    mcpy_cancel_ctx cancel;
-    vq_decode_ctx ctx = {self->vq, NULL, side, fhat_floats, &cancel};
-    cancel.thread_state = PyEval_SaveThread();
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    vq_call call;
+    vq_call_begin(self, &call);
+    vq_decode_ctx ctx = {self->vq, NULL, side, fhat_floats, &call.cancel};
     const size_t bytes = (size_t)(n * fhat_floats) * sizeof(float);
-    float *dev = n > 0 ? call_alloc(&cb, bytes, &err) : NULL;
+    float *dev = n > 0 ? call_alloc(&call.cb, bytes, &err) : NULL;
     if (n > 0 && dev == NULL)
         st = err.status;
     if (st == MC_OK && n > 0)
@@ -187,9 +207,7 @@ static PyObject *vq_decode_impl(VQVAEObject *self, PyObject *obj, int as_uint8) 
     if (st == MC_OK)
         st = mcpy_decode_images(vq_decode_some, &ctx, n, out_side * out_side * 3, as_uint8, PyArray_DATA(out),
                                 "VQVAE", &err);
-    call_release(&cb);
-    PyThread_release_lock(self->lock);
-    PyEval_RestoreThread(cancel.thread_state);
+    vq_call_end(&call);
     Py_DECREF(f_hat);
     return mcpy_result(st, &err, (PyObject *)out);
 }
@@ -228,11 +246,10 @@ static PyObject *VQVAE_embed(VQVAEObject *self, PyObject *obj) {
     mc_status st = MC_OK;
     if (rows > 0) {
         mc_backend *be = self->backend;
-        call_buffers cb = {.be = be};
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        int32_t *dev_idx = call_alloc(&cb, (size_t)rows * sizeof(int32_t), &err);
-        float *dev_out = dev_idx != NULL ? call_alloc(&cb, (size_t)(rows * z) * sizeof(float), &err) : NULL;
+        vq_call call;
+        vq_call_begin(self, &call);
+        int32_t *dev_idx = call_alloc(&call.cb, (size_t)rows * sizeof(int32_t), &err);
+        float *dev_out = dev_idx != NULL ? call_alloc(&call.cb, (size_t)(rows * z) * sizeof(float), &err) : NULL;
         st = dev_out != NULL ? MC_OK : err.status;
         if (st == MC_OK)
             st = be->ops->upload(be, dev_idx, PyArray_DATA(idx), (size_t)rows * sizeof(int32_t), &err);
@@ -242,9 +259,7 @@ static PyObject *VQVAE_embed(VQVAEObject *self, PyObject *obj) {
         if (st == MC_OK)
             st = be->ops->download(be, PyArray_DATA(out), dev_out, (size_t)(rows * z) * sizeof(float),
                                    &err);
-        call_release(&cb);
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
+        vq_call_end(&call);
     }
     Py_DECREF(idx);
     return mcpy_result(st, &err, (PyObject *)out);
@@ -349,13 +364,12 @@ static PyObject *VQVAE_idx_to_fhat(VQVAEObject *self, PyObject *args, PyObject *
         mc_status st = MC_OK;
         if (batch > 0) {
             mc_backend *be = self->backend;
-            call_buffers cb = {.be = be};
+            vq_call call;
             const size_t fhat_bytes = (size_t)(batch * side * side * z) * sizeof(float);
-            Py_BEGIN_ALLOW_THREADS
-            PyThread_acquire_lock(self->lock, WAIT_LOCK);
-            float *f_hat = call_alloc(&cb, fhat_bytes, &err);
-            float *h = f_hat != NULL ? call_alloc(&cb, (size_t)(most_rows * z) * sizeof(float), &err) : NULL;
-            int32_t *dev_idx = h != NULL ? call_alloc(&cb, (size_t)most_rows * sizeof(int32_t), &err) : NULL;
+            vq_call_begin(self, &call);
+            float *f_hat = call_alloc(&call.cb, fhat_bytes, &err);
+            float *h = f_hat != NULL ? call_alloc(&call.cb, (size_t)(most_rows * z) * sizeof(float), &err) : NULL;
+            int32_t *dev_idx = h != NULL ? call_alloc(&call.cb, (size_t)most_rows * sizeof(int32_t), &err) : NULL;
             st = dev_idx != NULL ? MC_OK : err.status;
             /* f_hat starts at zero: the zeroed result array is the source. */
             if (st == MC_OK)
@@ -373,9 +387,7 @@ static PyObject *VQVAE_idx_to_fhat(VQVAEObject *self, PyObject *args, PyObject *
             }
             if (st == MC_OK)
                 st = be->ops->download(be, PyArray_DATA(out), f_hat, fhat_bytes, &err);
-            call_release(&cb);
-            PyThread_release_lock(self->lock);
-            Py_END_ALLOW_THREADS
+            vq_call_end(&call);
         }
         if (st != MC_OK) {
             Py_DECREF(out);
@@ -419,13 +431,12 @@ static PyObject *VQVAE_fhat_to_next(VQVAEObject *self, PyObject *args, PyObject 
     mc_status st = MC_OK;
     if (n > 0) {
         mc_backend *be = self->backend;
-        call_buffers cb = {.be = be};
+        vq_call call;
         const size_t in_bytes = (size_t)(n * side * side * z) * sizeof(float);
         const size_t out_bytes = (size_t)(n * pn * pn * z) * sizeof(float);
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        float *dev_in = call_alloc(&cb, in_bytes, &err);
-        float *dev_out = dev_in != NULL ? call_alloc(&cb, out_bytes, &err) : NULL;
+        vq_call_begin(self, &call);
+        float *dev_in = call_alloc(&call.cb, in_bytes, &err);
+        float *dev_out = dev_in != NULL ? call_alloc(&call.cb, out_bytes, &err) : NULL;
         st = dev_out != NULL ? MC_OK : err.status;
         if (st == MC_OK)
             st = be->ops->upload(be, dev_in, PyArray_DATA(f_hat), in_bytes, &err);
@@ -433,9 +444,7 @@ static PyObject *VQVAE_fhat_to_next(VQVAEObject *self, PyObject *args, PyObject 
             st = mc_vqvae_area_input(self->vq, dev_in, n, side, pn, dev_out, &err);
         if (st == MC_OK)
             st = be->ops->download(be, PyArray_DATA(out), dev_out, out_bytes, &err);
-        call_release(&cb);
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
+        vq_call_end(&call);
     }
     Py_DECREF(f_hat);
     return mcpy_result(st, &err, (PyObject *)out);
