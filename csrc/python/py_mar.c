@@ -95,35 +95,7 @@ static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
     return rc;
 }
 
-/* The policy named by the dict's "policy" key, its config filled from the
- * rest of the dict (the Python policy's own fields) and checked against the
- * model, into *ops and *config (both NULL for cache=None); 0, or -1 with
- * the exception set. */
-static int parse_policy(PyObject *cache, const mc_mar_config *model, const mc_mar_policy_ops **ops,
-                        void **config) {
-    *ops = NULL;
-    *config = NULL;
-    if (cache == Py_None)
-        return 0;
-    const mc_config_schema *schema = mcpy_policy_config(cache, "MAR", mc_mar_policy_schema, config);
-    if (schema == NULL)
-        return -1;
-    mc_err err = {0};
-    /* The schema is the first member of the policy's ops table. */
-    const mc_mar_policy_ops *found = mc_mar_policy_of(schema);
-    if (found->check(*config, model, &err) != MC_OK) {
-        mcpy_policy_config_free(schema, *config);
-        *config = NULL;
-        mcpy_raise(&err);
-        return -1;
-    }
-    *ops = found;
-    return 0;
-}
-
-static void free_policy_config(const mc_mar_policy_ops *policy, void *config) {
-    mcpy_policy_config_free(policy ? &policy->schema : NULL, config);
-}
+MCPY_PARSE_POLICY(mar, "MAR")
 
 static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"labels", "steps", "cfg", "cfg_schedule", "temperature", "seed",

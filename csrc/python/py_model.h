@@ -181,6 +181,37 @@ PyObject *mcpy_get_backend_flops(mcpy_model_object *self, void *closure);
 const mc_config_schema *mcpy_policy_config(PyObject *cache, const char *family,
                                            const mc_config_schema *(*lookup)(const char *name), void **config);
 
+/* `static int parse_policy(cache, model, &ops, &config)` of a family (fam:
+ * mar, var; FAM its name in messages): cache=None gives no policy (*ops and
+ * *config NULL); otherwise the policy named by the dict's "policy" key, its
+ * config filled (mcpy_policy_config) and checked against the model by the
+ * policy's check. 0, or -1 with the exception set. The ops table's first
+ * member is its schema, so the schema found is the table. */
+#define MCPY_PARSE_POLICY(fam, FAM)                                                                       \
+    static int parse_policy(PyObject *cache, const mc_##fam##_config *model, const mc_##fam##_policy_ops **ops, \
+                            void **config) {                                                              \
+        *ops = NULL;                                                                                      \
+        *config = NULL;                                                                                   \
+        if (cache == Py_None)                                                                             \
+            return 0;                                                                                     \
+        const mc_config_schema *schema = mcpy_policy_config(cache, FAM, mc_##fam##_policy_schema, config); \
+        if (schema == NULL)                                                                               \
+            return -1;                                                                                    \
+        const mc_##fam##_policy_ops *found = (const mc_##fam##_policy_ops *)(const void *)schema;         \
+        mc_err err = {0};                                                                                 \
+        if (found->check(*config, model, &err) != MC_OK) {                                                \
+            mcpy_policy_config_free(schema, *config);                                                     \
+            *config = NULL;                                                                               \
+            mcpy_raise(&err);                                                                             \
+            return -1;                                                                                    \
+        }                                                                                                 \
+        *ops = found;                                                                                     \
+        return 0;                                                                                         \
+    }                                                                                                     \
+    static void free_policy_config(const mc_##fam##_policy_ops *policy, void *config) {                  \
+        mcpy_policy_config_free(policy ? &policy->schema : NULL, config);                                 \
+    }
+
 /* Releases what mcpy_policy_config made (schema NULL: config is NULL too). */
 void mcpy_policy_config_free(const mc_config_schema *schema, void *config);
 

@@ -216,9 +216,8 @@ done:
     return (PyObject *)out;
 }
 
-static int parse_policy(PyObject *cache, const mc_var_config *model, const mc_var_policy_ops **ops,
-                        void **config);
-static void free_policy_config(const mc_var_policy_ops *policy, void *config);
+
+MCPY_PARSE_POLICY(var, "VAR")
 
 /* One int32 array [depth, 2, N, n] per scale, every entry's rows 0..n-1:
  * the trace a policy overwrites where it runs a sublayer on fewer rows. */
@@ -380,35 +379,6 @@ static int var_tail_dict(PyObject *d, const void *opaque, void *ctx) {
     return rc;
 }
 
-/* The policy named by the dict's "policy" key, its config filled from the
- * rest of the dict by the policy's field table and checked against the
- * model, into *ops and *config (both NULL for cache=None); 0, or -1 with
- * the exception set. */
-static int parse_policy(PyObject *cache, const mc_var_config *model, const mc_var_policy_ops **ops,
-                        void **config) {
-    *ops = NULL;
-    *config = NULL;
-    if (cache == Py_None)
-        return 0;
-    const mc_config_schema *schema = mcpy_policy_config(cache, "VAR", mc_var_policy_schema, config);
-    if (schema == NULL)
-        return -1;
-    mc_err err = {0};
-    /* The schema is the first member of the policy's ops table. */
-    const mc_var_policy_ops *found = (const mc_var_policy_ops *)(const void *)schema;
-    if (found->check(*config, model, &err) != MC_OK) {
-        mcpy_policy_config_free(schema, *config);
-        *config = NULL;
-        mcpy_raise(&err);
-        return -1;
-    }
-    *ops = found;
-    return 0;
-}
-
-static void free_policy_config(const mc_var_policy_ops *policy, void *config) {
-    mcpy_policy_config_free(policy ? &policy->schema : NULL, config);
-}
 
 /* generate(labels, vqvae, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,
  * cache=None, callback=None) -> ((tokens int32 [n, L], f_hat float32 [n, side, side, Cvae]), steps) */
