@@ -81,20 +81,22 @@ int mcpy_add_type(PyObject *module, PyTypeObject *type, const char *name, PyMeth
 
 /* The life cycle of a float32 model that waits for its lock and keeps an
  * info struct (VAE, VQVAE): MCPY_MODEL_LIFECYCLE, the loader
- * `<prefix>_load` (load_fn into self-><member>) and
- * `<prefix>_init(path, num_threads=0, device='cpu')`, which fills
- * self->info with info_fn after the load. */
-#define MCPY_PATH_MODEL(prefix, type, member, free_fn, load_fn, info_fn)                                      \
-    MCPY_MODEL_LIFECYCLE(prefix, type, member, free_fn)                                                     \
-    static mc_status prefix##_load(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {       \
-        return load_fn(backend, file, model, err);                                                          \
-    }                                                                                                       \
-    static int prefix##_init(type *self, PyObject *args, PyObject *kwds) {                                  \
-        if (mcpy_model_init_path_threads_device((mcpy_model_object *)self, args, kwds, #prefix,             \
-                                                prefix##_release_model, prefix##_load, &self->member) < 0) \
-            return -1;                                                                                      \
-        info_fn(self->member, &self->info);                                                                 \
-        return 0;                                                                                           \
+ * `<prefix>_load` (load_fn) and `<prefix>_init(path, num_threads=0,
+ * device='cpu')`, which sets self-><member> (a `model_type *`) and fills
+ * self->info with info_fn once the load has succeeded. */
+#define MCPY_PATH_MODEL(prefix, type, model_type, member, free_fn, load_fn, info_fn)                      \
+    MCPY_MODEL_LIFECYCLE(prefix, type, member, free_fn)                                                 \
+    static mc_status prefix##_load(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {   \
+        return load_fn(backend, file, model, err);                                                      \
+    }                                                                                                   \
+    static int prefix##_init(type *self, PyObject *args, PyObject *kwds) {                              \
+        model_type *model = NULL;                                                                       \
+        if (mcpy_model_init_path_threads_device((mcpy_model_object *)self, args, kwds, #prefix,         \
+                                                prefix##_release_model, prefix##_load, &model) < 0)     \
+            return -1;                                                                                  \
+        self->member = model;                                                                           \
+        info_fn(model, &self->info);                                                                    \
+        return 0;                                                                                       \
     }
 
 /* The type object `<prefix>_type` of a model binding: marcache._C.<py_name>,

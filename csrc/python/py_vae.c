@@ -18,7 +18,7 @@ typedef struct {
     mc_vae_info info;
 } VAEObject;
 
-MCPY_PATH_MODEL(VAE, VAEObject, vae, mc_vae_free, mc_vae_load, mc_vae_get_info)
+MCPY_PATH_MODEL(VAE, VAEObject, mc_vae, vae, mc_vae_free, mc_vae_load, mc_vae_get_info)
 
 /* Validates tokens [n, S, C] (S a perfect square, C == z_channels) and
  * returns them as float32; *side gets sqrt(S). */

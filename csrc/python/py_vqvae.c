@@ -159,7 +159,7 @@ static int vq_ready(VQVAEObject *self) { return mcpy_require_loaded(self->vq, "V
 
 /* --------------------------------------------------------------- lifetime */
 
-MCPY_PATH_MODEL(VQVAE, VQVAEObject, vq, mc_vqvae_free, mc_vqvae_load, mc_vqvae_get_info)
+MCPY_PATH_MODEL(VQVAE, VQVAEObject, mc_vqvae, vq, mc_vqvae_free, mc_vqvae_load, mc_vqvae_get_info)
 
 /* ------------------------------------------------------------------ decode */
 
