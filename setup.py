@@ -5,12 +5,14 @@ scipy-openblas32 wheel (the build NumPy and SciPy use). Its library is found
 at run time through an rpath relative to this package and, as a fallback,
 preloaded by marcache/__init__.py.
 
-The CUDA backend (csrc/**/*.cu) is compiled with nvcc when nvcc and cuBLAS
-are both found; cuBLAS comes from the `nvidia-cublas` wheel (or a toolkit
-that ships it). The .cu files become objects linked into the same
-marcache._C with the static CUDA runtime (only the driver, libcuda.so.1, is
-needed at run time) and libcublas, found through rpaths to the wheel's
-library folder next to this package and to the folder found at build time.
+The CUDA backend (csrc/**/*.cu) is compiled with nvcc when nvcc and cuBLAS's
+headers are both found; cuBLAS comes from the `nvidia-cublas` wheel (or a
+toolkit that ships it). The .cu files become objects linked into the same
+marcache._C with the static CUDA runtime, which needs only the driver
+(libcuda.so.1, which it dlopens) at run time. libcublas is not linked: the
+backend dlopens it when the first CUDA backend is made
+(csrc/backend/cuda/cuda_cublas.cu, the same search order as here), so a CUDA
+build imports and runs on the CPU without the wheel.
 
 Environment:
   MARCACHE_MARCH   value for -march (default "native"; "" disables the flag)
@@ -23,7 +25,8 @@ Environment:
                    "auto": build it when nvcc and cuBLAS are found
   CUDA_HOME        the CUDA toolkit (default: from nvcc's location, /usr/local/cuda)
   MARCACHE_CUBLAS  a folder with include/cublas_v2.h and lib/libcublas.so*
-                   (default: the nvidia-cublas wheel, then the toolkit)
+                   (default: the nvidia-cublas wheel, then the toolkit); read
+                   again at run time, where lib/libcublas.so.<major> is loaded
 """
 import glob
 import os
@@ -115,17 +118,18 @@ def cudart_static_dir(root):
 
 
 def find_cublas(cuda_root):
-    """(include dir, lib dir, library file, rpath relative to marcache/) or None.
+    """(include dir, library file) or None: the headers compiled against and the library
+    whose location cuda_cublas.cu tries after the run-time places (it is not linked).
 
     Order: MARCACHE_CUBLAS, the nvidia-cublas wheel in this interpreter's
     site-packages (nvidia/cu13 since CUDA 13, nvidia/cublas before), the
-    toolkit."""
-    def probe(include, lib, relative=None):
+    toolkit (cuda_cublas.cu searches in the same order at run time)."""
+    def probe(include, lib):
         libs = sorted(glob.glob(os.path.join(lib, "libcublas.so*")))
         if os.path.isfile(os.path.join(include, "cublas_v2.h")) and libs:
             # Prefer the versioned soname file (the wheel ships no libcublas.so).
             versioned = [f for f in libs if f.count(".so.") == 1 and f.split(".so.")[1].isdigit()]
-            return include, lib, (versioned or libs)[0], relative
+            return include, (versioned or libs)[0]
         return None
 
     if os.environ.get("MARCACHE_CUBLAS"):
@@ -142,8 +146,7 @@ def find_cublas(cuda_root):
     for site in site_dirs:
         for sub in ("cu13", "cublas"):
             found = probe(os.path.join(site, "nvidia", sub, "include"),
-                          os.path.join(site, "nvidia", sub, "lib"),
-                          relative="$ORIGIN/../nvidia/%s/lib" % sub)
+                          os.path.join(site, "nvidia", sub, "lib"))
             if found:
                 return found
     if cuda_root:
@@ -181,10 +184,11 @@ def cuda_config():
         return missing("cuBLAS not found (pip install nvidia-cublas, or set MARCACHE_CUBLAS); "
                        "with pip's build isolation, install it first and build with "
                        "--no-build-isolation")
-    include, lib_dir, lib_file, relative = cublas
-    print("marcache: CUDA backend on: nvcc %s, cuBLAS %s" % (nvcc, lib_file))
+    include, lib_file = cublas
+    print("marcache: CUDA backend on: nvcc %s, cuBLAS headers %s (loaded at run time)"
+          % (nvcc, include))
     return {"nvcc": nvcc, "root": root, "cudart_dir": rt_dir, "cublas_include": include,
-            "cublas_lib_dir": lib_dir, "cublas_lib": lib_file, "cublas_rpath": relative}
+            "cublas_lib": lib_file}
 
 
 CUDA = cuda_config()
@@ -199,7 +203,11 @@ def nvcc_args(cfg):
             # gcc rejects the "# 1 file" line directives in the host code
             # nvcc generates ("style of line directive is a GCC extension"),
             # whatever our sources say.
-            "-Xcompiler", "-Wall,-Wextra" + (",-Werror" if werror_requested() else "")] + (
+            "-Xcompiler", "-Wall,-Wextra" + (",-Werror" if werror_requested() else ""),
+            # Where cuda_cublas.cu looks after the wheel and the run-time
+            # toolkit: the toolkit and the library this build found.
+            '-DMC_CUDA_BUILD_ROOT="%s"' % cfg["root"],
+            '-DMC_CUBLAS_BUILD_LIB="%s"' % cfg["cublas_lib"]] + (
             ["-Werror", "all-warnings"] if werror_requested() else []) + CUDA_GENCODE
     if os.environ.get("MARCACHE_DEBUG") == "1":
         args += ["-O0", "-g", "-G"]
@@ -254,16 +262,12 @@ extra_link_args = ["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib"]
 if CUDA is not None:
     define_macros += [("MC_HAVE_CUDA", "1"), ("MC_CUDA_ARCHS", '"' + CUDA_ARCHS + '"')]
     # Static CUDA runtime: it dlopens the driver, so it needs libdl, librt
-    # and pthreads; the .cu objects are C++ and need libstdc++.
+    # and pthreads; the .cu objects are C++ and need libstdc++. No libcublas
+    # (dlopened at run time, see the top of this file): the extension's
+    # NEEDED entries name no CUDA library, which tests/test_cuda_build.py
+    # checks.
     library_dirs.append(CUDA["cudart_dir"])
     libraries += ["cudart_static", "dl", "rt", "pthread", "stdc++"]
-    # libcublas by its full path: the linker records its soname
-    # (libcublas.so.13), which the rpaths below find at run time; libcublas
-    # finds its libcublasLt through its own $ORIGIN rpath.
-    extra_link_args += [CUDA["cublas_lib"]]
-    if CUDA["cublas_rpath"]:
-        extra_link_args.append("-Wl,-rpath," + CUDA["cublas_rpath"])
-    extra_link_args.append("-Wl,-rpath," + CUDA["cublas_lib_dir"])
 
 ext = Extension(
     "marcache._C",

@@ -37,6 +37,9 @@ def _import_extension():
 
 
 _C = _import_extension()
+from . import _cuda_libs  # noqa: E402
+
+_cuda_libs.register(_C)  # where the CUDA backend will look for cuBLAS (loaded later, if ever)
 from .policies import CfgFreeLate, FastVAR, LazyMAR, MARche, NoCache  # noqa: E402
 from .flops import flops, MAR_CONFIGS, VAR_CONFIGS  # noqa: E402
 from .model import MARModel, GenerationInfo, file_kind, load  # noqa: E402

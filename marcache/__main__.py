@@ -298,44 +298,93 @@ def _cmd_demo(args):
 
 
 def _cmd_sample(args):
-    import numpy as np
-
     import marcache as mc
-    from .eval import SampleWriter, _Progress, class_major_labels
+    from .chunks import PartStore, chunk_plan, iter_generated, run_settings
+    from .eval import _Progress, class_major_labels
 
     if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
         raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
                          f"{args.batch_size}")
+    if args.chunk_size < 1 or args.workers < 1 or args.gpus_per_worker < 0 or args.max_retries < 0:
+        raise ValueError(f"--chunk-size and --workers must be >= 1 and --gpus-per-worker and --max-retries >= 0, "
+                         f"got {args.chunk_size}, {args.workers}, {args.gpus_per_worker}, {args.max_retries}")
+    if args.ray is not None:
+        return _cmd_sample_ray(args)
+    if args.fid is not None:
+        raise ValueError("--fid scores the images on Ray workers without writing them: it needs --ray "
+                         "(on one machine: --ray --workers 1); without Ray, run sample, then fid")
+    out = args.out or "samples.npz"
     cache = _cache_of(args)
     model = mc.load(_model_path(args.model), vae=args.vae, device=args.device, dtype=args.dtype,
                     threads=args.threads)
     settings = _generation_settings(args, model.family, args.model)
     labels = class_major_labels(args.n, args.per_class, model.config.get("num_classes", 1000))
+    chunks = chunk_plan(args.n, args.batch_size, args.chunk_size)
+    store = PartStore(out, run_settings(model, args.n, args.per_class, args.seed, args.batch_size, chunks, cache,
+                                        settings, threads=args.threads), restart=args.restart)
+    todo = store.pending(chunks)
+    resumed = args.n - sum(c.size for c in todo)
+    if resumed and not args.quiet:
+        print(f"resuming {out}: {resumed} of {args.n} images already in {store.dir}", file=sys.stderr)
     bar = _Progress(args.n, "sample", enabled=_progress(args))
-    writer = None
+    bar.update(resumed)
     t0 = time.perf_counter()
     flops = 0.0
-    try:
-        for start in range(0, args.n, args.batch_size):
-            lab = labels[start:start + args.batch_size]
-            images, info = model.generate(labels=lab, seed=args.seed, first_index=start, cache=cache,
-                                          return_info=True, **settings)
-            if writer is None:
-                writer = SampleWriter(args.out, args.n, images.shape[1:])
-            writer.write(np.asarray(images))
+
+    def batches(chunk):
+        nonlocal flops
+        for images, info, _ in iter_generated(model, chunk, labels, args.batch_size, args.seed, cache, settings):
             flops += info.flops
             bar.update(len(images))
-    except BaseException:
-        if writer is not None:
-            writer.abort()
+            yield images
+
+    try:
+        for chunk in todo:
+            store.write_chunk(chunk, batches(chunk))
+            store.mark_done(chunk)
+    except KeyboardInterrupt:
+        done = args.n - sum(c.size for c in store.pending(chunks))
+        print(f"{done} of {args.n} images are kept in {store.dir}: run the same command again to resume",
+              file=sys.stderr)
         raise
     finally:
         bar.close()
-    writer.close()
+    store.assemble(chunks)
     dt = time.perf_counter() - t0
-    print(f"wrote {args.out}: {args.n} images (arr_0 uint8 NHWC), labels i // {args.per_class}, seed {args.seed}, "
-          f"cache {type(cache).__name__}; "
-          f"{dt:.1f} s ({dt / args.n:.3f} s/image, {flops / args.n / 1e12:.3f} TFLOPs/image)")
+    made = args.n - resumed
+    print(f"wrote {out}: {args.n} images (arr_0 uint8 NHWC), labels i // {args.per_class}, seed {args.seed}, "
+          f"cache {type(cache).__name__}"
+          f"{f', {resumed} resumed from an earlier run' if resumed else ''}; "
+          f"{dt:.1f} s ({dt / max(made, 1):.3f} s/image, {flops / max(made, 1) / 1e12:.3f} TFLOPs/image)")
+
+
+def _cmd_sample_ray(args):
+    from . import distributed
+
+    cache = _cache_of(args)
+    address = None if args.ray == "local" else args.ray
+    executor = distributed.RayExecutor(address=address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                                       threads_per_worker=args.threads, max_retries=args.max_retries)
+    spec = distributed.ModelSpec(_model_path(args.model), vae_path=args.vae, dtype=args.dtype)
+    settings = _generation_settings(args, spec.family(), args.model)
+    if args.fid is not None:
+        if args.inception is None:
+            raise ValueError("--fid needs --inception (the FID-Inception .safetensors)")
+        result = executor.score(spec, args.inception, args.fid, cache, args.n, args.per_class, seed=args.seed,
+                                batch_size=args.batch_size, chunk_images=args.chunk_size, progress=_progress(args),
+                                out=args.out, restart=args.restart, **settings)
+        print(f"{args.n} images on {executor.workers} Ray workers, cache {type(cache).__name__}, seed {args.seed}"
+              f"{f'; wrote {args.out}' if args.out else ''}")
+        print(f"FID: {result.fid:.4f}")
+        print(f"IS:  {result.inception_score:.4f} +- {result.is_std:.4f} (torch-fidelity)")
+        return
+    out = args.out or "samples.npz"
+    t0 = time.perf_counter()
+    executor.sample(spec, out, cache, args.n, args.per_class, seed=args.seed, batch_size=args.batch_size,
+                    chunk_images=args.chunk_size, progress=_progress(args), restart=args.restart, **settings)
+    dt = time.perf_counter() - t0
+    print(f"wrote {out}: {args.n} images (arr_0 uint8 NHWC), labels i // {args.per_class}, seed {args.seed}, "
+          f"cache {type(cache).__name__}, {executor.workers} Ray workers; {dt:.1f} s")
 
 
 def _cmd_fid(args):
@@ -527,10 +576,27 @@ def main(argv=None):
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="type of the transformer's Linear weights (16-bit: autocast's arithmetic)")
-    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--threads", type=int, default=0, help="OpenMP threads (of each worker with --ray; 0 = all)")
     _add_cache_arguments(s)
     _add_progress_arguments(s)
-    s.add_argument("--out", default="samples.npz")
+    s.add_argument("--out", default=None, help="the ADM .npz (default samples.npz; with --fid none unless given)")
+    s.add_argument("--chunk-size", type=int, default=1000,
+                   help="images per part file (rounded up to whole batches): a killed run, run again with the "
+                        "same command, resumes after the last complete part")
+    s.add_argument("--restart", action="store_true",
+                   help="discard the parts of an earlier run of this --out instead of resuming it")
+    s.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray workers: alone, a local Ray on this machine; 'auto' or HOST:PORT joins a "
+                        "running cluster (ray start); needs pip install 'marcache[ray]'")
+    s.add_argument("--workers", type=int, default=1, help="--ray: workers, each loading the model once")
+    s.add_argument("--gpus-per-worker", type=float, default=0,
+                   help="--ray: GPUs of each worker (0: the CPU, with --threads threads)")
+    s.add_argument("--max-retries", type=int, default=2,
+                   help="--ray: times a shard is rerun on a new worker after its worker died")
+    s.add_argument("--fid", default=None, metavar="REFERENCE",
+                   help="--ray: FID and IS against this reference .npz, from the workers' feature sums (no "
+                        "image file unless --out is given); needs --inception")
+    s.add_argument("--inception", default=None, help="--fid: the FID-Inception .safetensors")
     s.set_defaults(func=_cmd_sample)
 
     d = sub.add_parser("fid", help="FID and IS of a sample batch against reference statistics")

@@ -240,6 +240,26 @@ class Stats:
         st._m2 = sigma * (st.n - 1)
         return st
 
+    @classmethod
+    def from_sums(cls, n, sum_x, sum_xxt, shift=None):
+        """Statistics from float64 sums over n feature rows x: sum_x = sum (x - c),
+        sum_xxt = sum (x - c)(x - c)^T about a shift c (default 0), as
+        marcache.distributed's workers send them. mean = c + sum_x / n and
+        M2 = sum_xxt - sum_x sum_x^T / n. A shift near the mean (the reference's mu)
+        keeps the subtraction from cancelling the covariance's digits."""
+        sum_x = np.asarray(sum_x, np.float64)
+        sum_xxt = np.asarray(sum_xxt, np.float64)
+        if sum_x.ndim != 1 or sum_xxt.shape != (sum_x.size, sum_x.size):
+            raise ValueError(f"sum_x must be [d] and sum_xxt [d, d], got {sum_x.shape} and {sum_xxt.shape}")
+        st = cls(sum_x.size)
+        st.n = int(n)
+        if st.n < 1:
+            return st
+        shift = np.zeros(sum_x.size) if shift is None else np.asarray(shift, np.float64)
+        st._mean = shift + sum_x / st.n
+        st._m2 = sum_xxt - np.outer(sum_x, sum_x) / st.n
+        return st
+
     def _check_mergeable(self, what):
         if self._fixed is not None:
             raise ValueError(f"cannot {what}: these statistics were loaded without a sample count")
@@ -768,7 +788,7 @@ def _check_generate_settings(model, settings):
 
 
 def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size=16, progress=False,
-          is_protocol="torch-fidelity", method="auto", **generate_settings):
+          is_protocol="torch-fidelity", method="auto", executor=None, **generate_settings):
     """Generates `n` images per cache configuration and scores them.
 
     configs: {name: cache config} (e.g. {"nocache": marcache.NoCache()}), or a
@@ -785,6 +805,14 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size
     model.generate call (its defaults otherwise): a MAR's steps (64), cfg (1.0),
     cfg_schedule, temperature; a VAR's cfg (1.5), top_k (900), top_p (0.96),
     more_smooth. A setting the model does not take is a ValueError.
+
+    executor: None (this process) or "ray" (marcache.distributed on a local Ray,
+    or the cluster Ray is already connected to), or a
+    marcache.distributed.RayExecutor(address=..., workers=..., gpus_per_worker=...).
+    The same images, and statistics equal to this process's to float64 rounding:
+    the workers load the model and Inception from their files once, and stream back
+    feature sums and logits. seconds_per_image is then the workers' generation
+    seconds per image (summed over workers).
     """
     _check_generate_settings(model, generate_settings)
     if isinstance(configs, dict):
@@ -795,6 +823,12 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size
         raise ValueError("configs is empty")
     if not isinstance(reference, Stats):
         reference = load_reference(reference, inception)
+    if executor is not None:
+        from .distributed import as_executor
+
+        return as_executor(executor).sweep(model, inception, items, n, per_class, reference, seed=seed,
+                                           batch_size=batch_size, progress=progress, is_protocol=is_protocol,
+                                           method=method, **generate_settings)
     num_classes = model.config.get("num_classes", 1000)
     labels = class_major_labels(n, per_class, num_classes)
     results = []

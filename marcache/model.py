@@ -442,7 +442,7 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     if decoder == "pixels":
         vae_obj = PixelDecoder.from_metadata(metadata, dict(mar.config), path)
     else:
-        vae_obj = _C.VAE(vae_path, device=device) if vae_path is not None else None
+        vae_obj = _C.VAE(vae_path, num_threads=int(threads), device=device) if vae_path is not None else None
     return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)
 
 

@@ -12,7 +12,8 @@ import pytest
 
 SETUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "setup.py")
 FUNCTIONS = ("werror_requested", "compile_args", "nvcc_args")
-CUDA_CFG = {"cublas_include": "/opt/cublas/include"}
+CUDA_CFG = {"cublas_include": "/opt/cublas/include", "root": "/opt/cuda",
+            "cublas_lib": "/opt/cublas/lib/libcublas.so.13"}
 
 
 def setup_flag_functions():

@@ -92,7 +92,9 @@ def test_flash_equals_naive(case):
 def test_pool_reuses_memory():
     sizes = [4, 1000, 1 << 20, 12345, 3 << 20, 1 << 20]
     reserved = _C._cuda_pool_probe(sizes, 6)
-    assert reserved[0] >= sum(sizes) or reserved[0] == 0  # 0: a device without pools
+    # the device's shared pool (devpool.h): at least the blocks' size classes; other
+    # backends on the device may hold more
+    assert reserved[0] >= sum(sizes)
     assert reserved[1:] == reserved[:-1], "the pool grew in steady state: %r" % (reserved,)
 
 

@@ -94,6 +94,9 @@ NOT_FROM_ARGUMENTS = {
     "cosine_rows: heads must be positive": "run_op's param_heads requires heads >= 1",
     "pool probe: a recording with releases was kept": "the _cuda_pool_probe test hook's own "
                                                       "check, not an op",
+    'cuda backend: cuBLAS %d.x could not be loaded; install it with pip install \\"%s\\" (or '
+    'set MARCACHE_CUBLAS to a folder with lib/%s). Tried: %s':
+        "making a backend without a loadable cuBLAS (test_cuda_build tests the loader)",
 }
 
 _FAIL = re.compile(r'mc_fail\(\s*err,\s*MC_ERR_(?:VALUE|INTERNAL),\s*((?:"(?:[^"\\]|\\.)*"\s*)+)')

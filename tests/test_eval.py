@@ -17,22 +17,12 @@ import zlib
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import marcache as mc
+from eval_fixtures import CHILD_ENV, TESTS_DIR, write_tiny_eval_files
 from marcache import eval as ev
 from marcache.png import read_png, write_png
-from mar_fixtures import write_tiny_mar
-from reference import inception as RI
-from reference import vae as ref_vae
 from readme_blocks import readme_sweep_example
-
-# the working directory of every subprocess: never the clone's root, whose unbuilt
-# marcache/ source folder would shadow the installed package
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# ...and this session's import path, so a child finds the marcache under test (an in-place
-# build at the root, or the installed one) from there
-CHILD_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 HAVE_SCIPY = ev._have_scipy()
 METHODS = ["symmetric", "eigvals"] + (["sqrtm"] if HAVE_SCIPY else [])
@@ -329,21 +319,7 @@ def test_png_reader(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("eval")
-    inception = d / "tiny_inception.safetensors"
-    save_file(RI.random_weights(np.random.default_rng(10), divisor=16, num_classes=10), str(inception))
-    mar = d / "tiny_mar.safetensors"
-    write_tiny_mar(mar)
-    vae = d / "tiny_vae.safetensors"
-    save_file(dict(ref_vae.random_vae_weights(np.random.default_rng(3), ch=32, ch_mult=(1, 2),
-                                              num_res_blocks=1)), str(vae))
-    rng = np.random.default_rng(11)
-    ref_images = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
-    folder = d / "ref_png"
-    folder.mkdir()
-    for i, img in enumerate(ref_images):
-        write_png(folder / f"{i:05d}.png", img)
-    return dict(inception=inception, mar=mar, vae=vae, ref_images=ref_images, folder=folder, dir=d)
+    return write_tiny_eval_files(tmp_path_factory.mktemp("eval"))
 
 
 def test_reference_from_folder_npz_and_array_agree(tiny_files, tmp_path):

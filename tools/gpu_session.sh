@@ -54,7 +54,8 @@ run_build() {
         tail -40 "$OUT/build.log"
         return 1
     fi
-    "$PY" -c "import json, marcache; print(json.dumps(marcache.build_info()))" \
+    # cuBLAS is loaded with the first CUDA backend; load it here so the file shows which.
+    "$PY" -c "import json, marcache; marcache._C._cublas_load(); print(json.dumps(marcache.build_info()))" \
         | tee "$OUT/build_info.json"
 }
 

@@ -16,7 +16,8 @@ PyMODINIT_FUNC PyInit__C(void) {
         return NULL;
     if (mcpy_build_init(module) < 0 || mcpy_io_init(module) < 0 || mcpy_ops_init(module) < 0 ||
         mcpy_mar_init(module) < 0 || mcpy_vae_init(module) < 0 || mcpy_vqvae_init(module) < 0 ||
-        mcpy_inception_init(module) < 0 || mcpy_var_init(module) < 0) {
+        mcpy_inception_init(module) < 0 || mcpy_var_init(module) < 0 ||
+        mcpy_devpool_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

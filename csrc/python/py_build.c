@@ -46,20 +46,32 @@ static int add_cuda_info(PyObject *info) {
         }
         PyList_SET_ITEM(names, i, s);
     }
-    int cublas = mc_cuda_cublas_version();
+    /* cuBLAS is loaded with the first CUDA backend: until then its version
+     * and file are None and cublas_status says so. */
+    char cublas_path[4096];
+    const int cublas = mc_cuda_cublas_loaded(cublas_path, sizeof cublas_path);
     PyObject *cublas_s = cublas > 0 ? PyUnicode_FromFormat("%d.%d.%d", cublas / 10000,
                                                            (cublas / 100) % 100, cublas % 100)
                                     : (Py_INCREF(Py_None), Py_None);
+    PyObject *cublas_file = cublas > 0 ? PyUnicode_DecodeFSDefault(cublas_path)
+                                       : (Py_INCREF(Py_None), Py_None);
+    PyObject *cublas_status =
+        cublas > 0 ? PyUnicode_FromString("loaded")
+                   : PyUnicode_FromFormat("not loaded yet: cuBLAS %d.x is loaded when the first "
+                                          "CUDA model or backend is made",
+                                          mc_cuda_cublas_major());
     PyObject *entries = Py_BuildValue(
-        "{s:O,s:N,s:N,s:N,s:i,s:N,s:s}", "cuda", Py_True, "cuda_runtime",
+        "{s:O,s:N,s:N,s:N,s:N,s:N,s:i,s:N,s:s}", "cuda", Py_True, "cuda_runtime",
         cuda_version_string(mc_cuda_runtime_version()), "cuda_driver",
-        cuda_version_string(mc_cuda_driver_version()), "cublas", cublas_s, "cuda_devices", count,
-        "cuda_device_names", names, "cuda_archs", MC_CUDA_ARCHS);
+        cuda_version_string(mc_cuda_driver_version()), "cublas", cublas_s, "cublas_library",
+        cublas_file, "cublas_status", cublas_status, "cuda_devices", count, "cuda_device_names",
+        names, "cuda_archs", MC_CUDA_ARCHS);
 #else
-    PyObject *entries = Py_BuildValue("{s:O,s:O,s:O,s:O,s:i,s:N,s:O}", "cuda", Py_False,
-                                      "cuda_runtime", Py_None, "cuda_driver", Py_None, "cublas",
-                                      Py_None, "cuda_devices", 0, "cuda_device_names",
-                                      PyList_New(0), "cuda_archs", Py_None);
+    PyObject *entries = Py_BuildValue(
+        "{s:O,s:O,s:O,s:O,s:O,s:s,s:i,s:N,s:O}", "cuda", Py_False, "cuda_runtime", Py_None,
+        "cuda_driver", Py_None, "cublas", Py_None, "cublas_library", Py_None, "cublas_status",
+        "this build has no CUDA backend", "cuda_devices", 0, "cuda_device_names", PyList_New(0),
+        "cuda_archs", Py_None);
 #endif
     if (entries == NULL)
         return -1;
@@ -187,6 +199,68 @@ static PyObject *cuda_pool_probe(PyObject *self, PyObject *args) {
 }
 #endif
 
+/* _cublas_register_dirs(list of str): the folders cuda_cublas.cu searches
+ * after MARCACHE_CUBLAS and before the toolkit (marcache/_cuda_libs.py
+ * passes the nvidia-cublas wheel's). A no-op in a build without CUDA. */
+static PyObject *cublas_register_dirs(PyObject *self, PyObject *arg) {
+    (void)self;
+    PyObject *fast = PySequence_Fast(arg, "_cublas_register_dirs: expected a list of folders");
+    if (fast == NULL)
+        return NULL;
+#ifdef MC_HAVE_CUDA
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    if (count > 64) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "_cublas_register_dirs: at most 64 folders, got %zd",
+                            count);
+    }
+    const char *dirs[64];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyUnicode_Check(item)) {
+            Py_DECREF(fast);
+            return PyErr_Format(PyExc_TypeError,
+                                "_cublas_register_dirs: folder %zd must be a str, got %s", i,
+                                Py_TYPE(item)->tp_name);
+        }
+        if ((dirs[i] = PyUnicode_AsUTF8(item)) == NULL) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    mc_err err = {0};
+    const mc_status st = mc_cuda_cublas_register_dirs(dirs, (int)count, &err);
+    Py_DECREF(fast);
+    if (st != MC_OK)
+        return mcpy_raise(&err);
+#else
+    Py_DECREF(fast);
+#endif
+    Py_RETURN_NONE;
+}
+
+#ifdef MC_HAVE_CUDA
+/* _cublas_load() -> (file, "major.minor.patch"): loads cuBLAS as the first
+ * CUDA backend does (a test hook: it runs without a GPU, where making a
+ * backend fails on the device first). Raises RuntimeError with the loader's
+ * message when no usable library is found. */
+static PyObject *cublas_load(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    mc_err err = {0};
+    mc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mc_cuda_cublas_load(&err);
+    Py_END_ALLOW_THREADS
+    if (st != MC_OK)
+        return mcpy_raise(&err);
+    char path[4096];
+    const int v = mc_cuda_cublas_loaded(path, sizeof path);
+    return Py_BuildValue("(NN)", PyUnicode_DecodeFSDefault(path),
+                         PyUnicode_FromFormat("%d.%d.%d", v / 10000, (v / 100) % 100, v % 100));
+}
+#endif
+
 /* _guard_probe(touch) -> float: a test that the guard backend guards. Stores
  * 42.0 in a guard buffer and reads it back through download (allowed); with
  * touch=True it then reads the buffer directly on the host, which must kill
@@ -224,7 +298,13 @@ static PyMethodDef build_methods[] = {
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
     {"sgemm_seconds", sgemm_seconds, METH_VARARGS,
      "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},
+    {"_cublas_register_dirs", cublas_register_dirs, METH_O,
+     "_cublas_register_dirs(folders): where the CUDA backend looks for libcublas before the "
+     "toolkit (set by marcache at import)"},
 #ifdef MC_HAVE_CUDA
+    {"_cublas_load", cublas_load, METH_NOARGS,
+     "_cublas_load() -> (file, version) of the cuBLAS the CUDA backend uses, loading it if "
+     "needed (test hook; raises RuntimeError naming the wheel when none is found)"},
     {"_cuda_pool_probe", cuda_pool_probe, METH_VARARGS,
      "_cuda_pool_probe(sizes, rounds, release_while_recording=False) -> pool bytes reserved "
      "after each round (CUDA test hook)"},

@@ -9,6 +9,7 @@
 /* Per-area registration, called from PyInit__C. Each returns 0 or -1 with an
  * exception set. */
 int mcpy_build_init(PyObject *module);
+int mcpy_devpool_init(PyObject *module);
 int mcpy_io_init(PyObject *module);
 int mcpy_ops_init(PyObject *module);
 int mcpy_mar_init(PyObject *module);

@@ -412,7 +412,8 @@ def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_sched
     sequence from the select layer's MLP onwards), sequences (sequences
     through the transformer), encoder_rows (encoder query rows per layer,
     summed over sequences), head_cached (cached head timesteps), select_gap
-    (smallest score gap at the selection boundary over the cached sequences)."""
+    (smallest score gap at the selection boundary over the cached sequences)
+    and, on token-cache steps, select_gaps (that gap per cached sequence)."""
     sz = R.model_sizes(W)
     S, C, P = sz["seq_len"], sz["token_channels"], sz["buffer"]
     L = P + S
@@ -556,5 +557,5 @@ def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads,
     out = np.zeros((nc, L, xk.shape[-1]))
     out[ar, kept_arr] = xk
     info = dict(kept=[r.tolist() for r in kept], n_keep=n_keep, sequences=nc, encoder_rows=nc * (P + p),
-                select_gap=float(min(gaps)) if gaps else np.inf)
+                select_gap=float(min(gaps)) if gaps else np.inf, select_gaps=[float(g) for g in gaps])
     return out, info

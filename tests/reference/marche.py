@@ -216,8 +216,9 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
     (P+S); cached: cached sequences * n_active), encoder_rows (encoder query
     rows per layer summed over sequences), head_cached (cached head
     timesteps), select_gap (smallest relevance gap at the selection boundary
-    over the cached sequences; inf if none), relevance ([cached sequences,
-    P+S] or None)."""
+    over the cached sequences; inf if none), select_gaps (that gap per cached
+    sequence; cached steps only), relevance ([cached sequences, P+S] or
+    None)."""
     sz = R.model_sizes(W)
     S, C, P = sz["seq_len"], sz["token_channels"], sz["buffer"]
     L = P + S
@@ -281,7 +282,8 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
             if cfg_on:
                 x_u = x_c + st["diff"] if use_cond else x[B:2 * B]
             entry.update(active=active, n_active=n_active, sequences=nc, decoder_kept_rows=nc * n_active,
-                         encoder_rows=nc * enc_rows, select_gap=float(min(gaps)), relevance=rel)
+                         encoder_rows=nc * enc_rows, select_gap=float(min(gaps)),
+                         select_gaps=[float(g) for g in gaps], relevance=rel)
 
         mask = mask_next
         assert pred.sum() == B * n_pred

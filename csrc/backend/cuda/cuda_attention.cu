@@ -451,6 +451,27 @@ static mc_status launch_tc(int64_t batch, int64_t nq, int heads, float scale, co
     return MC_OK;
 }
 
+/* The head dims with a tensor-core instance (mc_attention_is_16bit admits
+ * exactly these: multiples of 16 up to 128). */
+#define MC_TC_HEAD_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(112) X(128)
+
+/* Dynamic shared memory the tensor-core kernel needs at `head_dim` (0: no
+ * instance). Up to 163 KiB per block on sm_80 and 227 KiB on sm_90, but the
+ * sm_80 machine code also runs on sm_86 / sm_89, which allow 99 KiB: there
+ * the larger head dims do not fit, and mc_cuda_attention runs the 16-bit
+ * reference kernel instead of failing at cudaFuncSetAttribute. */
+static size_t tc_smem_bytes(int head_dim) {
+#define MC_TC_BYTES(D)                                                                        \
+    case D:                                                                                   \
+        return tc_layout<D>::bytes;
+    switch (head_dim) {
+        MC_TC_HEAD_DIMS(MC_TC_BYTES)
+    default:
+        return 0;
+    }
+#undef MC_TC_BYTES
+}
+
 template <typename T>
 static mc_status attention_16bit(int64_t batch, int64_t nq, int heads, int head_dim, float scale,
                                  const float *q, int64_t ldq, int64_t q_bstride,
@@ -461,14 +482,7 @@ static mc_status attention_16bit(int64_t batch, int64_t nq, int heads, int head_
         return launch_tc<T, D>(batch, nq, heads, scale, q, ldq, q_bstride, segs, out, ldo,    \
                                o_bstride, stream, err);
     switch (head_dim) {
-        MC_TC_CASE(16)
-        MC_TC_CASE(32)
-        MC_TC_CASE(48)
-        MC_TC_CASE(64)
-        MC_TC_CASE(80)
-        MC_TC_CASE(96)
-        MC_TC_CASE(112)
-        MC_TC_CASE(128)
+        MC_TC_HEAD_DIMS(MC_TC_CASE)
     default:
         return mc_fail(err, MC_ERR_INTERNAL, "cuda attention: no 16-bit kernel for head dim %d",
                        head_dim);
@@ -518,7 +532,10 @@ mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads
     cuda_state *st = cuda_st(be);
 
     if (mc_attention_is_16bit(be, head_dim)) {
-        if (st->naive) {
+        /* The reference kernel also where the device cannot give the
+         * tensor-core kernel its shared memory (tc_smem_bytes): the same
+         * rounding of q, k, v and p (ops.h), slower. */
+        if (st->naive || tc_smem_bytes(head_dim) > st->smem_per_block_optin) {
             const int64_t items = batch * heads * nq;
             if (be->linear_wtype == MC_WTYPE_BF16)
                 attention_naive_16bit_kernel<__nv_bfloat16>

@@ -1,6 +1,8 @@
-/* The CUDA backend: creation and teardown, device memory (a stream-ordered
- * pool), host <-> device copies, grow-only scratch, error helpers, the
- * run-time facts build_info() reports, and the op table.
+/* The CUDA backend: creation and teardown, device memory (its membership of
+ * the device's shared caching allocator, backend/devpool.h, over cudaMalloc /
+ * cudaFree), host <-> device copies, grow-only scratch, error helpers, the
+ * run-time facts build_info() reports, and the op table. cuBLAS is loaded
+ * by cuda_cublas.cu when the first backend is made.
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle bound
  * to that stream. Every op is enqueued on the stream; only download and
@@ -32,8 +34,9 @@ int mc_cuda_sync_launches(void) {
 
 mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err) {
     mc_status status = code == CUBLAS_STATUS_ALLOC_FAILED ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
-    return mc_fail(err, status, "cublas: %s failed: %s (%s)", call, cublasGetStatusString(code),
-                   cublasGetStatusName(code));
+    /* Every cuBLAS call goes through the table, so it is loaded here. */
+    return mc_fail(err, status, "cublas: %s failed: %s (%s)", call,
+                   mc_cublas.get_status_string(code), mc_cublas.get_status_name(code));
 }
 
 mc_status mc_cuda_enter(mc_backend *be, mc_err *err) {
@@ -92,24 +95,65 @@ extern "C" int mc_cuda_driver_version(void) {
     return v;
 }
 
-extern "C" int mc_cuda_cublas_version(void) {
-    /* cublasGetProperty needs no handle and no device. */
-    int major = 0, minor = 0, patch = 0;
-    if (cublasGetProperty(MAJOR_VERSION, &major) != CUBLAS_STATUS_SUCCESS ||
-        cublasGetProperty(MINOR_VERSION, &minor) != CUBLAS_STATUS_SUCCESS ||
-        cublasGetProperty(PATCH_LEVEL, &patch) != CUBLAS_STATUS_SUCCESS)
-        return 0;
-    return major * 10000 + minor * 100 + patch;
-}
-
 extern "C" void mc_cuda_set_naive(mc_backend *be, int naive) { cuda_st(be)->naive = naive != 0; }
 
 /* ---- memory ------------------------------------------------------------- */
 
-static cudaError_t pool_malloc(cuda_state *st, void **p, size_t bytes) {
-    if (st->pool != NULL)
-        return cudaMallocFromPoolAsync(p, bytes, st->pool, st->stream);
-    return cudaMalloc(p, bytes);
+/* The device side of the shared pool (backend/devpool.h): plain cudaMalloc /
+ * cudaFree on the pool's device (ctx is the device index). cudaMalloc runs
+ * only while the pool grows; cudaFree only on an out-of-memory trim and when
+ * the last backend on the device is destroyed. */
+static mc_status device_alloc(void *ctx, size_t bytes, void **out, mc_err *err) {
+    const int device = (int)(intptr_t)ctx;
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess || previous != device)
+        MC_CUDA_TRY(cudaSetDevice(device), err);
+    const cudaError_t code = cudaMalloc(out, bytes);
+    if (previous >= 0 && previous != device)
+        (void)cudaSetDevice(previous);
+    if (code != cudaSuccess)
+        return mc_cuda_fail(code, "cudaMalloc", err);
+    return MC_OK;
+}
+
+static void device_free(void *ctx, void *ptr) {
+    const int device = (int)(intptr_t)ctx;
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess || previous != device)
+        (void)cudaSetDevice(device);
+    (void)cudaFree(ptr); /* a failure here is a sticky error the next op reports */
+    if (previous >= 0 && previous != device)
+        (void)cudaSetDevice(previous);
+    (void)cudaGetLastError();
+}
+
+static const mc_devpool_raw DEVICE_RAW = {device_alloc, device_free};
+
+/* The pool asks about this backend's stream (never while it records a
+ * graph: the pool is told, see capture_begin / capture_end). */
+static int stream_idle(void *ctx) {
+    const cudaError_t code = cudaStreamQuery(((cuda_state *)ctx)->stream);
+    if (code != cudaSuccess)
+        (void)cudaGetLastError(); /* cudaErrorNotReady, or a fault the next op reports */
+    return code == cudaSuccess;
+}
+
+static int stream_wait(void *ctx) {
+    if (cudaStreamSynchronize(((cuda_state *)ctx)->stream) == cudaSuccess)
+        return 0;
+    (void)cudaGetLastError();
+    return -1;
+}
+
+static const mc_devpool_owner_ops STREAM_OPS = {stream_idle, stream_wait};
+
+/* Waits for the backend's stream, and tells the pool: the blocks this
+ * backend freed before the wait are then free for every backend. */
+static mc_status wait_stream(cuda_state *st, mc_err *err) {
+    const uint64_t point = mc_devpool_sync_point(st->pool_owner);
+    MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    mc_devpool_synced(st->pool_owner, point);
+    return MC_OK;
 }
 
 /* Allocation, upload and download cannot be part of a graph recording
@@ -135,24 +179,12 @@ static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
                 bytes, st->device, st->total_mem);
         return NULL;
     }
-    size_t request = bytes > 0 ? bytes : 1; /* a valid, distinct pointer for empty buffers */
-    void *p = NULL;
-    cudaError_t code = pool_malloc(st, &p, request);
-    if (code == cudaErrorMemoryAllocation) {
-        /* Blocks freed in stream order are reusable once the stream has
-         * passed their frees: wait for it and try once more. */
-        (void)cudaGetLastError();
-        if (cudaStreamSynchronize(st->stream) == cudaSuccess)
-            code = pool_malloc(st, &p, request);
-    }
-    if (code != cudaSuccess) {
-        (void)cudaGetLastError();
-        mc_fail(err, code == cudaErrorMemoryAllocation ? MC_ERR_NOMEM : MC_ERR_INTERNAL,
-                "cuda: cannot allocate %zu bytes of device memory on device %d (%s: %s)", bytes,
-                st->device, st->pool != NULL ? "cudaMallocFromPoolAsync" : "cudaMalloc",
-                cudaGetErrorString(code));
+    /* A 0-byte request gets a valid, distinct pointer too (a class of 512
+     * bytes); out of memory after the pool's trim and retry is
+     * MC_ERR_NOMEM naming the request and what the device's pool holds. */
+    void *p = mc_devpool_alloc(st->pool_owner, bytes, err);
+    if (p == NULL)
         return NULL;
-    }
     be->allocations++;
     return p;
 }
@@ -184,14 +216,10 @@ static void cuda_release(mc_backend *be, void *ptr) {
         (void)defer_release(st, ptr);
         return;
     }
-    if (ptr == NULL || cudaSetDevice(st->device) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return;
-    }
-    /* In stream order: kernels already enqueued that read ptr finish first. */
-    cudaError_t code = st->pool != NULL ? cudaFreeAsync(ptr, st->stream) : cudaFree(ptr);
-    if (code != cudaSuccess)
-        (void)cudaGetLastError(); /* release cannot fail; a sticky error shows at the next op */
+    /* Into the pool as this backend's: kernels already enqueued that read
+     * ptr may still run, so only this stream may take it again at once
+     * (devpool.h, stream order). */
+    mc_devpool_free(st->pool_owner, ptr);
 }
 
 void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err) {
@@ -234,7 +262,7 @@ static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, si
             /* Every copy out of the ring so far must have left it before
              * its bytes are overwritten: one wait per 8 MB staged. */
             be->syncs++;
-            MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+            MC_TRY(wait_stream(st, err));
             st->staging_used = 0;
         }
         char *slot = st->staging + st->staging_used;
@@ -245,7 +273,7 @@ static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, si
     }
     be->syncs++;
     MC_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st->stream), err);
-    MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    MC_TRY(wait_stream(st, err));
     st->staging_used = 0; /* the stream is idle: the whole ring is free */
     return MC_OK;
 }
@@ -279,7 +307,7 @@ static mc_status cuda_download(mc_backend *be, void *host_dst, const void *src, 
                                 cudaMemcpyDeviceToHost, st->stream),
                 err);
     /* Also where a fault of an earlier kernel on the stream is reported. */
-    MC_CUDA_TRY(cudaStreamSynchronize(st->stream), err);
+    MC_TRY(wait_stream(st, err));
     st->staging_used = 0;
     return report_row_fault(st, err);
 }
@@ -305,7 +333,14 @@ static mc_status cuda_capture_begin(mc_backend *be, mc_err *err) {
     if (st->capturing)
         return mc_fail(err, MC_ERR_INTERNAL, "cuda: a graph is already being recorded");
     MC_TRY(mc_cuda_enter(be, err));
-    MC_CUDA_TRY(cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal), err);
+    /* Before the recording starts: the pool must not query or wait for a
+     * capturing stream (other backends' allocations and trims). */
+    mc_devpool_set_capturing(st->pool_owner, 1);
+    const cudaError_t began = cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal);
+    if (began != cudaSuccess) {
+        mc_devpool_set_capturing(st->pool_owner, 0);
+        return mc_cuda_fail(began, "cudaStreamBeginCapture", err);
+    }
     st->capturing = 1;
     st->capture_failed = 0;
     st->deferred_count = 0;
@@ -317,6 +352,7 @@ static mc_status cuda_capture_end(mc_backend *be, void **graph, int keep, mc_err
     cudaGraph_t recorded = NULL;
     cudaError_t code = cudaStreamEndCapture(st->stream, &recorded);
     st->capturing = 0;
+    mc_devpool_set_capturing(st->pool_owner, 0);
     for (int i = 0; i < st->deferred_count; i++)
         cuda_release(be, st->deferred_free[i]);
     st->deferred_count = 0;
@@ -379,12 +415,9 @@ static void cuda_free_state(cuda_state *st) {
     if (cudaSetDevice(st->device) == cudaSuccess) {
         if (st->stream != NULL)
             (void)cudaStreamSynchronize(st->stream);
-        for (int i = 0; i < MC_CUDA_SCRATCH_SLOTS; i++)
-            if (st->scratch[i] != NULL)
-                (void)(st->pool != NULL ? cudaFreeAsync(st->scratch[i], st->stream)
-                                        : cudaFree(st->scratch[i]));
-        if (st->stream != NULL)
-            (void)cudaStreamSynchronize(st->stream);
+        if (st->pool_owner != NULL)
+            for (int i = 0; i < MC_CUDA_SCRATCH_SLOTS; i++)
+                mc_devpool_free(st->pool_owner, st->scratch[i]);
         if (st->staging != NULL)
             (void)cudaFreeHost(st->staging);
         if (st->row_fault_host != NULL)
@@ -392,16 +425,16 @@ static void cuda_free_state(cuda_state *st) {
         if (st->row_fault != NULL)
             (void)cudaFree(st->row_fault);
         if (st->blas != NULL)
-            (void)cublasDestroy(st->blas);
+            (void)mc_cublas.destroy(st->blas);
         if (st->blas_workspace != NULL)
             (void)cudaFree(st->blas_workspace);
-        /* Blocks a model never released keep the pool alive until they are
-         * freed (cudaMemPoolDestroy defers); nothing leaks on our side. */
-        if (st->pool != NULL)
-            (void)cudaMemPoolDestroy(st->pool);
         if (st->stream != NULL)
             (void)cudaStreamDestroy(st->stream);
     }
+    /* The stream was waited for above (or the device is unusable): this
+     * backend's cached blocks are anyone's now; the last backend on the
+     * device gives the pool's memory back to the device. */
+    mc_devpool_leave(st->pool_owner);
     (void)cudaGetLastError();
     free(st->deferred_free);
     free(st);
@@ -452,35 +485,23 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     cudaDeviceProp prop;
     MC_CUDA_TRY(cudaGetDeviceProperties(&prop, device_index), err);
     st->total_mem = prop.totalGlobalMem;
+    st->smem_per_block_optin = prop.sharedMemPerBlockOptin;
 
-    int pools = 0;
-    MC_CUDA_TRY(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_index), err);
-    if (pools) {
-        cudaMemPoolProps props;
-        memset(&props, 0, sizeof props);
-        props.allocType = cudaMemAllocationTypePinned;
-        props.location.type = cudaMemLocationTypeDevice;
-        props.location.id = device_index;
-        MC_CUDA_TRY(cudaMemPoolCreate(&st->pool, &props), err);
-        /* Keep every freed block: steady state never returns memory to the
-         * driver nor asks it for more. */
-        uint64_t threshold = UINT64_MAX;
-        MC_CUDA_TRY(cudaMemPoolSetAttribute(st->pool, cudaMemPoolAttrReleaseThreshold, &threshold),
-                    err);
-    }
+    MC_TRY(mc_devpool_join(&DEVICE_RAW, (void *)(intptr_t)device_index, device_index, &STREAM_OPS,
+                           st, &st->pool_owner, err));
 
-    MC_CUBLAS_TRY(cublasCreate(&st->blas), err);
-    MC_CUBLAS_TRY(cublasSetStream(st->blas, st->stream), err);
+    MC_CUBLAS_TRY(mc_cublas.create(&st->blas), err);
+    MC_CUBLAS_TRY(mc_cublas.set_stream(st->blas, st->stream), err);
     /* Plain fp32: no TF32 tensor-core rounding of the inputs (GEMMs take
      * CUBLAS_COMPUTE_32F as well, see cuda_blas.cu). */
-    MC_CUBLAS_TRY(cublasSetMathMode(st->blas, CUBLAS_DEFAULT_MATH), err);
+    MC_CUBLAS_TRY(mc_cublas.set_math_mode(st->blas, CUBLAS_DEFAULT_MATH), err);
     /* No atomics: the same inputs give the same bits on the same device. */
-    MC_CUBLAS_TRY(cublasSetAtomicsMode(st->blas, CUBLAS_ATOMICS_NOT_ALLOWED), err);
+    MC_CUBLAS_TRY(mc_cublas.set_atomics_mode(st->blas, CUBLAS_ATOMICS_NOT_ALLOWED), err);
     /* A workspace of our own (32 MiB, what cuBLAS asks for on Hopper), so
      * GEMMs recorded into a graph never allocate. */
     const size_t workspace_bytes = (size_t)32 << 20;
     MC_CUDA_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), err);
-    MC_CUBLAS_TRY(cublasSetWorkspace(st->blas, st->blas_workspace, workspace_bytes), err);
+    MC_CUBLAS_TRY(mc_cublas.set_workspace(st->blas, st->blas_workspace, workspace_bytes), err);
     /* The sampling ops' row-fault word, cleared in stream order before any
      * op can run (ops go to the same stream). */
     MC_CUDA_TRY(cudaMalloc((void **)&st->row_fault, sizeof *st->row_fault), err);
@@ -506,6 +527,9 @@ extern "C" mc_status mc_backend_cuda_create(mc_backend **out, int device_index, 
     if (device_index < 0 || device_index >= count)
         return mc_fail(err, MC_ERR_VALUE, "cuda backend: device %d does not exist (%d device%s)",
                        device_index, count, count == 1 ? "" : "s");
+    /* cuBLAS is loaded with the first backend, not at import: a CUDA build
+     * without the nvidia-cublas wheel still runs on the CPU. */
+    MC_TRY(mc_cuda_cublas_load(err));
     mc_backend *be = (mc_backend *)calloc(1, sizeof *be);
     cuda_state *st = (cuda_state *)calloc(1, sizeof *st);
     if (be == NULL || st == NULL) {
@@ -565,15 +589,9 @@ extern "C" mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int cou
             status = mc_cuda_fail(code, "cudaStreamSynchronize", err);
             break;
         }
-        uint64_t bytes = 0;
-        if (st->pool != NULL) {
-            code = cudaMemPoolGetAttribute(st->pool, cudaMemPoolAttrReservedMemCurrent, &bytes);
-            if (code != cudaSuccess) {
-                status = mc_cuda_fail(code, "cudaMemPoolGetAttribute", err);
-                break;
-            }
-        }
-        reserved[r] = bytes;
+        mc_devpool_stats stats;
+        mc_devpool_get_stats(st->pool_owner, &stats);
+        reserved[r] = stats.reserved_bytes;
     }
     free(blocks);
     mc_backend_destroy(be);

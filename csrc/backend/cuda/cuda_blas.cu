@@ -126,7 +126,7 @@ mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int
                        (long long)ldc);
     cublasHandle_t h = cuda_st(be)->blas;
     /* C^T[n, m] = op(B)^T op(A)^T: B first, with B's own flag (see the top). */
-    MC_CUBLAS_TRY(cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+    MC_CUBLAS_TRY(mc_cublas.gemm_ex(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m, (int)k, &alpha,
                                b, CUDA_R_32F, (int)ldb, a, CUDA_R_32F, (int)lda, &beta, c,
                                CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -170,7 +170,7 @@ static mc_status gemm_16bit_weights(mc_backend *be, const float *x, int64_t ldx,
     const float alpha = 1.0f;
     /* Row-major y[rows, out] = x16 W^T is column-major y^T = W x16^T:
      * W [out, in] row-major is column-major [in, out], so op(W) = T. */
-    MC_CUBLAS_TRY(cublasGemmEx(st->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)rows, (int)in,
+    MC_CUBLAS_TRY(mc_cublas.gemm_ex(st->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)rows, (int)in,
                                &alpha, w, type, (int)in, x16, type, (int)in, &beta, y, CUDA_R_32F,
                                (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                   err);

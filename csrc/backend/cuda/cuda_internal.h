@@ -17,6 +17,7 @@
 
 extern "C" {
 #include "../../core/mc_core.h"
+#include "../devpool.h"
 #include "../ops.h"
 #include "../op_checks.h" /* argument checks shared with the CPU backend */
 }
@@ -38,11 +39,13 @@ typedef struct cuda_state {
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
-    /* Stream-ordered pool with an unbounded release threshold: freed blocks
-     * stay in the pool, so the same sizes allocated again in steady state
-     * never reach cudaMalloc. NULL on a device without memory pools, where
-     * alloc falls back to cudaMalloc / cudaFree. */
-    cudaMemPool_t pool;
+    /* This backend's membership of its device's shared caching allocator
+     * (backend/devpool.h): every backend on the device (MAR, VAE,
+     * Inception, VAR, VQVAE) takes memory from the same pool; freed blocks
+     * stay cached, so the same sizes allocated again in steady state never
+     * reach cudaMalloc, and an out-of-memory gives every backend's cached
+     * blocks back to the device before it retries. */
+    mc_devpool_owner *pool_owner;
     int naive; /* run the reference kernels (mc_cuda_set_naive) */
     /* Pinned staging ring for small uploads (index lists, per-step vectors):
      * the host bytes are copied here and the copy to the device is only
@@ -58,15 +61,17 @@ typedef struct cuda_state {
     int graphs_enabled;
     int capturing;
     int capture_failed;
-    /* Blocks released during a recording, freed when it ends. Grows by
-     * doubling (a recorded step may release any number of blocks): a free
-     * that went to cudaFreeAsync on the capturing stream instead would
-     * become a node of the discarded graph and never run. */
+    /* Blocks released during a recording, returned to the pool when it
+     * ends (a recording with a release is discarded, ops.h; until then the
+     * recorded kernels may still name the block). Grows by doubling: a
+     * recorded step may release any number of blocks, and a block left
+     * off this list would never return to the pool. */
     void **deferred_free;
     int deferred_count;
     int deferred_capacity;
     void *blas_workspace; /* explicit cuBLAS workspace: recordable GEMMs */
     size_t total_mem; /* the device's global memory, for requests that can never fit */
+    size_t smem_per_block_optin; /* the most dynamic shared memory a kernel may opt in to */
     void *scratch[MC_CUDA_SCRATCH_SLOTS];
     size_t scratch_bytes[MC_CUDA_SCRATCH_SLOTS];
     /* Row faults of the sampling ops (a row of logits with NaN, +inf or no
@@ -215,6 +220,30 @@ template <typename T> __device__ T mc_block_sum(T v, T *shared) {
 }
 
 /* ---- cuBLAS ------------------------------------------------------------- */
+
+/* The cuBLAS entry points the backend uses, resolved by dlopen when the
+ * first CUDA backend is made (cuda_cublas.cu: mc_cuda_cublas_load), so the
+ * extension has no link-time dependency on libcublas. The types come from
+ * the headers (decltype), so a call through the table is checked like a
+ * direct one. Filled once and never changed after a successful load. */
+typedef struct mc_cublas_api {
+    decltype(&cublasCreate_v2) create;
+    decltype(&cublasDestroy_v2) destroy;
+    decltype(&cublasSetStream_v2) set_stream;
+    decltype(&cublasSetWorkspace_v2) set_workspace;
+    decltype(&cublasSetMathMode) set_math_mode;
+    decltype(&cublasSetAtomicsMode) set_atomics_mode;
+    /* The 32-bit-int cublasGemmEx (C++ also sees an int64_t overload). */
+    cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                              const void *, const void *, cudaDataType, int, const void *,
+                              cudaDataType, int, const void *, void *, cudaDataType, int,
+                              cublasComputeType_t, cublasGemmAlgo_t);
+    decltype(&cublasGetProperty) get_property;
+    decltype(&cublasGetStatusString) get_status_string;
+    decltype(&cublasGetStatusName) get_status_name;
+} mc_cublas_api;
+
+extern mc_cublas_api mc_cublas;
 
 /* Row-major C[m,n] = alpha op(A) op(B) + beta C on the backend's handle
  * (fp32 compute, no TF32). beta == 0 never reads C. k == 0 scales C. */
