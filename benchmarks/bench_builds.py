@@ -21,6 +21,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _common import print_table, write_json  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -89,18 +90,15 @@ def main():
     print()
     print(f"{os.path.basename(args.weights)}, CPU fp32, {args.steps} AR steps, cfg {args.cfg}, batch {args.batch}, "
           f"{args.repeats} timed runs per build and policy, builds alternating")
-    print("| policy | old s (median, min..max) | new s (median, min..max) | new / old |")
-    print("|---|---|---|---|")
     rows = []
     for policy in args.policies:
         old, new = times[("old", policy)], times[("new", policy)]
-        ratio = statistics.median(new) / statistics.median(old)
-        rows.append(dict(policy=policy, old=old, new=new, ratio=ratio))
-        print(f"| {POLICIES[policy][0]} | {statistics.median(old):.2f} ({min(old):.2f}..{max(old):.2f}) | "
-              f"{statistics.median(new):.2f} ({min(new):.2f}..{max(new):.2f}) | {ratio:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, steps=args.steps, cfg=args.cfg, batch=args.batch), f, indent=2)
+        rows.append(dict(policy=policy, old=old, new=new, ratio=statistics.median(new) / statistics.median(old)))
+    print_table(["policy", "old s (median, min..max)", "new s (median, min..max)", "new / old"],
+                [[POLICIES[r["policy"]][0], f"{statistics.median(r['old']):.2f} ({min(r['old']):.2f}..{max(r['old']):.2f})",
+                  f"{statistics.median(r['new']):.2f} ({min(r['new']):.2f}..{max(r['new']):.2f})",
+                  f"{r['ratio']:.3f}"] for r in rows])
+    write_json(args.json, rows=rows, steps=args.steps, cfg=args.cfg, batch=args.batch)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ equal to the engine's telemetry), and achieved GFLOP/s.
     python benchmarks/bench_cache.py --policies none lazymar --steps 16 --batch 2   # a quick look
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ import marcache as mc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _common import print_table, write_json  # noqa: E402
 from bench_cpu import write_random_mar_base  # noqa: E402
 
 POLICIES = {
@@ -73,15 +73,11 @@ def main():
     base = rows[0]
     print()
     print(f"MAR-B (random weights), CPU fp32, {args.steps} steps, cfg {args.cfg}, batch {args.batch}")
-    print("| policy | s/image | wall-clock speed-up | FLOP ratio | TFLOP/image | GFLOP/s | cache MB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['title']} | {r['seconds'] / args.batch:.2f} | {base['seconds'] / r['seconds']:.2f}x | "
-              f"{base['flops'] / r['flops']:.2f}x | {r['flops'] / args.batch / 1e12:.3f} | "
-              f"{r['flops'] / r['seconds'] / 1e9:.1f} | {r['cache_bytes'] / 2**20:.0f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, steps=args.steps, cfg=args.cfg, batch=args.batch), f, indent=2)
+    print_table(["policy", "s/image", "wall-clock speed-up", "FLOP ratio", "TFLOP/image", "GFLOP/s", "cache MB"],
+                [[r["title"], f"{r['seconds'] / args.batch:.2f}", f"{base['seconds'] / r['seconds']:.2f}x",
+                  f"{base['flops'] / r['flops']:.2f}x", f"{r['flops'] / args.batch / 1e12:.3f}",
+                  f"{r['flops'] / r['seconds'] / 1e9:.1f}", f"{r['cache_bytes'] / 2**20:.0f}"] for r in rows])
+    write_json(args.json, rows=rows, steps=args.steps, cfg=args.cfg, batch=args.batch)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,15 @@ same machine with the same thread pool.
     python benchmarks/bench_cpu.py --steps 8 --batches 1 2   # a quick look
 """
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
 import marcache as mc
-from marcache import _C
+
+from _common import print_machine, print_run_header, print_table, sgemm_rate, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -37,14 +36,8 @@ def write_random_mar_base(path):
     save_file(tensors, path)
 
 
-def sgemm_rate():
-    """Best GFLOP/s over the GEMM shapes the model runs (nn.Linear form)."""
-    shapes = [(2048, 2048, 2048), (5120, 3072, 768), (5120, 768, 3072), (64, 3072, 1024)]
-    rates = {}
-    for m, n, k in shapes:
-        seconds = _C.sgemm_seconds(m, n, k, 5)
-        rates[f"{m}x{n}x{k}"] = 2.0 * m * n * k / seconds / 1e9
-    return max(rates.values()), rates
+# The GEMM shapes the MAR-B model runs (nn.Linear form: rows x out x in).
+SGEMM_SHAPES = [(2048, 2048, 2048), (5120, 3072, 768), (5120, 768, 3072), (64, 3072, 1024)]
 
 
 def main():
@@ -61,10 +54,8 @@ def main():
         print(f"writing random MAR-B weights to {args.weights} ...", flush=True)
         write_random_mar_base(args.weights)
     model = mc.load(args.weights)
-    peak_before, shapes = sgemm_rate()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"BLAS: {mc.build_info()['blas_config']}")
-    print("sgemm GFLOP/s by shape: " + ", ".join(f"{k}: {v:.1f}" for k, v in shapes.items()), flush=True)
+    peak_before, shapes = sgemm_rate(SGEMM_SHAPES, 5)
+    print_machine(shapes)
 
     rows = []
     for batch in args.batches:
@@ -78,22 +69,14 @@ def main():
         rows.append(dict(batch=batch, seconds=seconds, seconds_per_image=seconds / batch,
                          tflops=info.flops / 1e12, gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s))
         print(f"batch {batch}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s", flush=True)
-    peak_after, _ = sgemm_rate()
+    peak_after, _ = sgemm_rate(SGEMM_SHAPES, 5)
     peak = max(peak_before, peak_after)
-
-    print()
-    print(f"MAR-B (random weights), {args.steps} steps, cfg {args.cfg} linear, CPU fp32, "
-          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
-    print(f"measured sgemm peak: {peak:.1f} GFLOP/s (before {peak_before:.1f}, after {peak_after:.1f})")
-    print("| batch | s/image | TFLOP/image | achieved GFLOP/s | % of sgemm |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['seconds_per_image']:.2f} | {r['tflops'] / r['batch']:.3f} | "
-              f"{r['gflops_per_s']:.1f} | {100 * r['gflops_per_s'] / peak:.0f}% |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(sgemm_peak=peak, sgemm_shapes=shapes, rows=rows, steps=args.steps, cfg=args.cfg), f,
-                      indent=2)
+    print_run_header(f"MAR-B (random weights), {args.steps} steps, cfg {args.cfg} linear, CPU fp32", peak_before,
+                     peak_after)
+    print_table(["batch", "s/image", "TFLOP/image", "achieved GFLOP/s", "% of sgemm"],
+                [[r["batch"], f"{r['seconds_per_image']:.2f}", f"{r['tflops'] / r['batch']:.3f}",
+                  f"{r['gflops_per_s']:.1f}", f"{100 * r['gflops_per_s'] / peak:.0f}%"] for r in rows])
+    write_json(args.json, sgemm_peak=peak, sgemm_shapes=shapes, rows=rows, steps=args.steps, cfg=args.cfg)
 
 
 if __name__ == "__main__":

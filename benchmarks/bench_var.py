@@ -16,21 +16,20 @@ Weights are written once under benchmarks/.cache/ (d16 1.2 GB, d30 4 GB as bf16 
 converted to float32 at load; the VQVAE 0.4 GB).
 """
 import argparse
-import json
 import math
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
 import marcache as mc
-from marcache import _C
 from marcache.convert.decoder import decoder_expected_shapes
 from marcache.convert.tensors import f32_to_bf16_bits
 from marcache.convert.var import var_expected_shapes
 from marcache.convert.writer import write_safetensors
+
+from _common import print_machine, print_run_header, print_table, sgemm_rate, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEPTHS = {"d16": 16, "d20": 20, "d24": 24, "d30": 30}
@@ -83,14 +82,8 @@ def write_random_vqvae(path):
     write_safetensors(path, tensors, metadata={"kind": "vqvae", "note": "random weights (bench_var.py)"})
 
 
-def sgemm_rate():
-    """Best GFLOP/s over GEMM shapes of the VAR blocks (nn.Linear form: rows x out x in)."""
-    shapes = [(2048, 2048, 2048), (512, 3072, 1024), (512, 4096, 1024), (512, 5760, 1920)]
-    rates = {}
-    for m, n, k in shapes:
-        seconds = _C.sgemm_seconds(m, n, k, 3)
-        rates[f"{m}x{n}x{k}"] = 2.0 * m * n * k / seconds / 1e9
-    return max(rates.values()), rates
+# GEMM shapes of the VAR blocks (nn.Linear form: rows x out x in).
+SGEMM_SHAPES = [(2048, 2048, 2048), (512, 3072, 1024), (512, 4096, 1024), (512, 5760, 1920)]
 
 
 def main():
@@ -106,10 +99,8 @@ def main():
     if not os.path.exists(vq_path):
         print(f"writing random VQVAE weights to {vq_path} ...", flush=True)
         write_random_vqvae(vq_path)
-    peak_before, shapes = sgemm_rate()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"BLAS: {mc.build_info()['blas_config']}")
-    print("sgemm GFLOP/s by shape: " + ", ".join(f"{k}: {v:.1f}" for k, v in shapes.items()), flush=True)
+    peak_before, shapes = sgemm_rate(SGEMM_SHAPES, 3)
+    print_machine(shapes)
 
     rows = []
     for name in args.models:
@@ -138,23 +129,16 @@ def main():
             print(f"VAR-{name} batch {batch}: loop {loop_s:.1f} s ({row['gflops_per_s']:.1f} GFLOP/s), "
                   f"decode {info.seconds_decode:.1f} s", flush=True)
         del model
-    peak_after, _ = sgemm_rate()
+    peak_after, _ = sgemm_rate(SGEMM_SHAPES, 3)
     peak = max(peak_before, peak_after)
-
-    print()
-    print(f"VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32, "
-          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
-    print(f"measured sgemm peak: {peak:.1f} GFLOP/s (before {peak_before:.1f}, after {peak_after:.1f})")
-    print("| model | batch | loop s/image | decode s/image | GFLOP/image (loop) | loop GFLOP/s | % of sgemm |"
-          " decode GFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| VAR-{r['model']} | {r['batch']} | {r['loop_seconds'] / r['batch']:.2f} | "
-              f"{r['decode_seconds'] / r['batch']:.2f} | {r['gflop_per_image']:.1f} | {r['gflops_per_s']:.1f} | "
-              f"{100 * r['gflops_per_s'] / peak:.0f}% | {r['decode_gflops_per_s']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(sgemm_peak=peak, sgemm_shapes=shapes, rows=rows), f, indent=2)
+    print_run_header("VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32", peak_before, peak_after)
+    print_table(["model", "batch", "loop s/image", "decode s/image", "GFLOP/image (loop)", "loop GFLOP/s",
+                 "% of sgemm", "decode GFLOP/s"],
+                [[f"VAR-{r['model']}", r["batch"], f"{r['loop_seconds'] / r['batch']:.2f}",
+                  f"{r['decode_seconds'] / r['batch']:.2f}", f"{r['gflop_per_image']:.1f}",
+                  f"{r['gflops_per_s']:.1f}", f"{100 * r['gflops_per_s'] / peak:.0f}%",
+                  f"{r['decode_gflops_per_s']:.1f}"] for r in rows])
+    write_json(args.json, sgemm_peak=peak, sgemm_shapes=shapes, rows=rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The public model API: load(), MARModel.generate() and component entry points."""
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -133,7 +134,57 @@ class PixelDecoder:
         return self._pixels(tokens) / np.float32(127.5) - np.float32(1.0)
 
 
-class MARModel:
+def is_int(value):
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+class LoadedModel:
+    """What MARModel and VARModel share: the files they were loaded from, the device and
+    weight dtype, and the checking of class labels against the model's classes."""
+
+    def __init__(self, path, vae_path, device, dtype):
+        self.path, self.vae_path = path, vae_path
+        self.device, self.dtype = device, dtype
+
+    def _labels(self, labels, num_images):
+        """int32 [N] class ids in 0..num_classes-1; labels=None with num_images=N gives N
+        times -1, which each engine runs as unconditional generation."""
+        n_classes = self.config["num_classes"]
+        if labels is None:
+            if num_images is None:
+                raise ValueError("unconditional generation needs num_images=N (labels=None)")
+            if not is_int(num_images) or num_images < 1:
+                raise ValueError(f"num_images must be an integer >= 1, got {num_images!r}")
+            return np.full(int(num_images), -1, dtype=np.int32)
+        arr = np.asarray(labels)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.size == 0:
+            raise ValueError("labels is empty: pass at least one class label, or labels=None with num_images=N")
+        if arr.ndim != 1:
+            raise ValueError(f"labels must be a 1-D list of class indices, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"labels must be integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= n_classes)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"label {int(arr[i])} at index {i} is outside 0..{n_classes - 1} "
+                             f"(the model has {n_classes} classes)")
+        if num_images is not None and (not is_int(num_images) or int(num_images) != arr.size):
+            raise ValueError(f"num_images={num_images!r} does not match {arr.size} labels")
+        return arr.astype(np.int32)
+
+    def _decoded(self, latent, info, return_info):
+        """generate()'s images: decode(latent), its time in info.seconds_decode; with
+        return_info, (images, info)."""
+        t0 = time.perf_counter()
+        images = self.decode(latent)
+        info.seconds_decode = time.perf_counter() - t0
+        return (images, info) if return_info else images
+
+
+class MARModel(LoadedModel):
     """A loaded MAR model (and optionally its KL-16 VAE decoder).
 
     Use marcache.load() to build one. Generation runs in C with the GIL
@@ -145,12 +196,8 @@ class MARModel:
     family = "mar"
 
     def __init__(self, mar, vae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
-        self._mar = mar
-        self._vae = vae
-        self.path = path
-        self.vae_path = vae_path
-        self.device = device
-        self.dtype = dtype
+        super().__init__(path, vae_path, device, dtype)
+        self._mar, self._vae = mar, vae  # the _C.MAR and its decoder (_C.VAE, PixelDecoder or None)
 
     @property
     def config(self):
@@ -178,31 +225,6 @@ class MARModel:
         return "kl16" if self._vae is not None else "none"
 
     # ----------------------------------------------------------- generation
-    def _labels(self, labels, num_images):
-        if labels is None:
-            if num_images is None:
-                raise ValueError("unconditional generation needs num_images=N (labels=None)")
-            if int(num_images) < 1:
-                raise ValueError(f"num_images must be >= 1, got {num_images}")
-            return np.full(int(num_images), -1, dtype=np.int32)
-        arr = np.asarray(labels)
-        if arr.ndim == 0:
-            arr = arr.reshape(1)
-        if arr.size == 0:
-            raise ValueError("labels is empty: pass at least one class label, or labels=None with num_images=N")
-        if arr.ndim != 1:
-            raise ValueError(f"labels must be a 1-D list of class indices, got shape {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"labels must be integers, got dtype {arr.dtype}")
-        n_classes = self._mar.config["num_classes"]
-        bad = (arr < 0) | (arr >= n_classes)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"label {int(arr[i])} at index {i} is outside 0..{n_classes - 1}")
-        if num_images is not None and int(num_images) != arr.size:
-            raise ValueError(f"num_images={num_images} does not match {arr.size} labels")
-        return arr.astype(np.int32)
-
     def generate_tokens(self, labels=None, steps=64, cfg=1.0, cfg_schedule="linear", temperature=1.0, seed=0,
                         first_index=0, cache=None, progress=False, num_images=None, return_info=False,
                         trace_rows=False):
@@ -254,10 +276,7 @@ class MARModel:
                                             temperature=temperature, seed=seed, first_index=first_index,
                                             cache=cache, progress=progress, num_images=num_images,
                                             return_info=True)
-        t0 = time.perf_counter()
-        images = self.decode(tokens)
-        info.seconds_decode = time.perf_counter() - t0
-        return (images, info) if return_info else images
+        return self._decoded(tokens, info, return_info)
 
     # ----------------------------------------------------------- components
     def transformer(self, tokens, mask, labels):

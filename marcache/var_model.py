@@ -3,19 +3,14 @@ var_fastvar.md Parts A-B). Generation runs in the C engine (marcache._C.VAR) thr
 the one Python driver (marcache/_driver.py), as MARModel's does."""
 import math
 import numbers
-import time
 
 import numpy as np
 
 from . import _C
 from . import _driver
 from . import var_family
-from .model import GenerationInfo
+from .model import GenerationInfo, LoadedModel, is_int as _is_int
 from .policies import resolve as _resolve_cache
-
-
-def _is_int(value):
-    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _is_real(value):
@@ -39,7 +34,7 @@ def check_generate_arguments(cfg, top_k, top_p, more_smooth, seed, first_index, 
         raise ValueError(f"first_index must be an integer >= 0 with first_index + N <= 2**32, got {first_index!r}")
 
 
-class VARModel:
+class VARModel(LoadedModel):
     """A loaded VAR transformer and (optionally) its VQVAE.
 
     Use marcache.load("var_d16.safetensors", vae="vqvae.safetensors") to build one.
@@ -52,12 +47,8 @@ class VARModel:
     family = var_family.FAMILY
 
     def __init__(self, var, vqvae=None, path=None, vae_path=None, device="cpu", dtype="fp32"):
-        self._var = var
-        self._vqvae = vqvae
-        self.path = path
-        self.vae_path = vae_path
-        self.device = device
-        self.dtype = dtype
+        super().__init__(path, vae_path, device, dtype)
+        self._var, self._vqvae = var, vqvae  # the _C.VAR and its _C.VQVAE (or None)
 
     # ----------------------------------------------------------- facts
     @property
@@ -98,33 +89,8 @@ class VARModel:
                 f"device={self.device!r}, dtype={self.dtype!r})")
 
     # ----------------------------------------------------------- arguments
-    def _labels(self, labels, num_images):
-        """int32 [N] class ids; labels=None with num_images=N: -1, which the engine runs with
-        the null class (num_classes) on the conditional half too (unconditional)."""
-        n_classes = self.config["num_classes"]
-        if labels is None:
-            if num_images is None:
-                raise ValueError("unconditional generation needs num_images=N (labels=None)")
-            if not _is_int(num_images) or num_images < 1:
-                raise ValueError(f"num_images must be an integer >= 1, got {num_images!r}")
-            return np.full(int(num_images), -1, dtype=np.int32)
-        arr = np.asarray(labels)
-        if arr.ndim == 0:
-            arr = arr.reshape(1)
-        if arr.size == 0:
-            raise ValueError("labels is empty: pass at least one class label, or labels=None with num_images=N")
-        if arr.ndim != 1:
-            raise ValueError(f"labels must be a 1-D list of class indices, got shape {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"labels must be integers, got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= n_classes)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"label {int(arr[i])} at index {i} is outside 0..{n_classes - 1} "
-                             f"(the model has {n_classes} classes)")
-        if num_images is not None and (not _is_int(num_images) or int(num_images) != arr.size):
-            raise ValueError(f"num_images={num_images!r} does not match {arr.size} labels")
-        return arr.astype(np.int32)
+    # _labels (LoadedModel): labels=None runs the null class (num_classes) on the
+    # conditional half too (unconditional).
 
     def _need_vqvae(self, what):
         if self._vqvae is None:
@@ -173,10 +139,7 @@ class VARModel:
                                                    more_smooth=more_smooth, seed=seed, first_index=first_index,
                                                    cache=cache, progress=progress, num_images=num_images,
                                                    return_info=True)
-        t0 = time.perf_counter()
-        images = self.decode(f_hat)
-        info.seconds_decode = time.perf_counter() - t0
-        return (images, info) if return_info else images
+        return self._decoded(f_hat, info, return_info)
 
     # ----------------------------------------------------------- components
     def _fhat_of(self, tokens_or_fhat):

@@ -251,42 +251,33 @@ HEAD_NET_SMALL = [_head_net_small(t) for t in (0, 50, 99)]
 HEAD_CACHE_RULES = dict(head_cache=True, head_period=3, head_recompute_above=0.7)
 
 
-def _lazymar_head_cache(key, temperature):
+def _head_cache(policy_name, key, temperature):
+    """The cached head steps of `policy_name` ("lazymar" or "marche", every AR step a full
+    transformer step) against its reference loop."""
     import marcache as mc
 
     W, heads = weights(key)
-    lz = mc.LazyMAR(start=0, period=1, **HEAD_CACHE_RULES)
+    if policy_name == "lazymar":
+        cache, reference, test = mc.LazyMAR(start=0, period=1, **HEAD_CACHE_RULES), \
+            LZ.generate_tokens_lazymar, "tests/test_lazymar_reference.py"
+    else:
+        cache, reference, test = mc.MARche(refresh_period=1, **HEAD_CACHE_RULES), \
+            MC.generate_tokens_marche, "tests/test_marche_reference.py"
     args = dict(labels=[7], steps=2, cfg=2.5, temperature=temperature, seed=3, first_index=1)
     return _add(Comparison(
-        name="lazymar_head_cache[%s,T=%g]" % (key, temperature),
-        test="tests/test_lazymar_reference.py::test_head_cache_matches_reference",
-        run_engine=lambda: model(key, 10).generate_tokens(cache=lz, return_info=True, **args),
-        run_reference=lambda: LZ.generate_tokens_lazymar(W, np.array(args["labels"]), 1, args["steps"], args["cfg"],
-                                                         "linear", temperature, args["seed"], args["first_index"],
-                                                         heads, lz, R.diffusion_tables(10)),
-        **token_tolerance(key)))
-
-
-def _marche_head_cache(key, temperature):
-    import marcache as mc
-
-    W, heads = weights(key)
-    cache = mc.MARche(refresh_period=1, **HEAD_CACHE_RULES)
-    args = dict(labels=[7], steps=2, cfg=2.5, temperature=temperature, seed=3, first_index=1)
-    return _add(Comparison(
-        name="marche_head_cache[%s,T=%g]" % (key, temperature),
-        test="tests/test_marche_reference.py::test_head_cache_matches_reference",
+        name="%s_head_cache[%s,T=%g]" % (policy_name, key, temperature),
+        test=test + "::test_head_cache_matches_reference",
         run_engine=lambda: model(key, 10).generate_tokens(cache=cache, return_info=True, **args),
-        run_reference=lambda: MC.generate_tokens_marche(W, np.array(args["labels"]), 1, args["steps"], args["cfg"],
-                                                        "linear", temperature, args["seed"], args["first_index"],
-                                                        heads, cache, R.diffusion_tables(10)),
+        run_reference=lambda: reference(W, np.array(args["labels"]), 1, args["steps"], args["cfg"], "linear",
+                                        temperature, args["seed"], args["first_index"], heads, cache,
+                                        R.diffusion_tables(10)),
         **token_tolerance(key)))
 
 
-LAZYMAR_HEAD_CACHE = [_lazymar_head_cache("v_dominant_deep_head", V_TEMPERATURE),
-                      _lazymar_head_cache("amplified", 1.0)]
-MARCHE_HEAD_CACHE = [_marche_head_cache("v_dominant_deep_head", V_TEMPERATURE),
-                     _marche_head_cache("amplified", 1.0)]
+LAZYMAR_HEAD_CACHE = [_head_cache("lazymar", "v_dominant_deep_head", V_TEMPERATURE),
+                      _head_cache("lazymar", "amplified", 1.0)]
+MARCHE_HEAD_CACHE = [_head_cache("marche", "v_dominant_deep_head", V_TEMPERATURE),
+                     _head_cache("marche", "amplified", 1.0)]
 
 
 # --------------------------------------------------------------------------

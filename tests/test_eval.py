@@ -22,6 +22,7 @@ import marcache as mc
 from eval_fixtures import CHILD_ENV, TESTS_DIR, write_tiny_eval_files
 from marcache import eval as ev
 from marcache.png import read_png, write_png
+from readme_blocks import readme_sweep_example
 
 HAVE_SCIPY = ev._have_scipy()
 METHODS = ["symmetric", "eigvals"] + (["sqrtm"] if HAVE_SCIPY else [])
@@ -368,17 +369,9 @@ def test_sweep_on_tiny_models(tiny_files, capsys):
     assert re.search(r"nocache\s+6\s+\d+\.\d+\s+\d+\.\d+", capsys.readouterr().out)
 
 
-def _readme_sweep_example():
-    text = open(README).read()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    found = [b for b in blocks if "def test_cache_keeps_fid" in b]
-    assert len(found) == 1, "README must hold exactly one pytest sweep example"
-    return found[0]
-
-
 def test_readme_pytest_sweep_example_runs(tiny_files, tmp_path):
     """The documented example, verbatim, run by pytest on the tiny random models."""
-    (tmp_path / "test_fid_sweep.py").write_text(_readme_sweep_example())
+    (tmp_path / "test_fid_sweep.py").write_text(readme_sweep_example())
     net = ev.InceptionV3.load(tiny_files["inception"])
     ev.make_reference(tiny_files["ref_images"], tmp_path / "ref.npz", net)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(mc.__file__)))

@@ -1,6 +1,5 @@
 """Strict safetensors reader: round trips against the reference writer and
 one test per validation rule (eval_and_formats.md section 9)."""
-import ctypes
 import json
 import os
 import struct
@@ -11,21 +10,7 @@ import pytest
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 
-def _import_engine():
-    try:
-        import marcache._C as engine
-    except ImportError:
-        # Without the package's __init__ (or an rpath that resolves in an
-        # in-place build) OpenBLAS is not found: preload it, then retry.
-        import scipy_openblas32
-
-        lib = os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so")
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-        import marcache._C as engine
-    return engine
-
-
-C = _import_engine()
+from marcache import _C as C  # noqa: E402 (the package preloads OpenBLAS)
 
 
 # ----- helpers -------------------------------------------------------------

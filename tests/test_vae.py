@@ -1,7 +1,6 @@
 """KL-16 VAE decoder (marcache._C.VAE) against the float64 NumPy reference
 (tests/reference/vae.py), with random weights written in the official key
 layout (mar.md section 8.3, Appendix B)."""
-import ctypes
 import os
 import sys
 
@@ -17,21 +16,7 @@ from reference import vae as ref_vae  # noqa: E402
 from tolerance import assert_close, scaled_atol  # noqa: E402
 
 
-def _import_engine():
-    try:
-        import marcache._C as engine
-    except ImportError:
-        # In-place builds without the package __init__ cannot resolve the
-        # OpenBLAS rpath: preload the library, then retry.
-        import scipy_openblas32
-
-        lib = os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so")
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-        import marcache._C as engine
-    return engine
-
-
-C = _import_engine()
+from marcache import _C as C  # noqa: E402 (the package preloads OpenBLAS)
 
 SMALL_CONFIGS = {
     # 5 levels like the official model, scaled down: latent 4x4 -> 64x64.

@@ -20,6 +20,7 @@ from mar_fixtures import write_tiny_mar
 from reference import inception as RI
 from reference import vae as ref_vae
 from var_api_files import TINY_VAR, write_tiny_var, write_tiny_vqvae, write_var_with_metadata
+from readme_blocks import readme_sweep_example
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 README = os.path.join(os.path.dirname(HERE), "README.md")
@@ -69,34 +70,31 @@ def test_load_refuses_a_vqvae_as_the_model(files):
         mc.load(files["vqvae"])
 
 
+# Every vae= file a VAR refuses, with its message: decoders of another kind (told from the
+# tensor names) and VQVAEs whose codebook does not fit the VAR.
+WRONG_VAR_DECODERS = {
+    "kl16_plain": r"vae= .*kl16_plain\.safetensors is a KL-16 VAE decoder file \(recognised from its tensor "
+                  r"names\), not VAR's VQVAE decoder: pass it as vae=.* together with a MAR model file",
+    "mar_plain": r"vae= .*mar_plain\.safetensors is a MAR model file .*not VAR's VQVAE",
+    "var": r"vae= .* is a VAR transformer file .*not VAR's VQVAE decoder: pass it as the model path",
+    "vqvae_v16": r"does not fit .*: the VQVAE's codebook has 16 entries \(quantize\.embedding\.weight \[16, 8\]\) "
+                 r"but the VAR predicts 64 tokens \(head\.weight \[64, 128\]\)",
+    "vqvae_z4": r"the VQVAE's latent has 4 channels \(quantize\.embedding\.weight \[64, 4\]\) but the VAR's "
+                r"word_embed takes 8 \(word_embed\.weight \[128, 8\]\)",
+}
+
+
+@pytest.mark.parametrize("vae_key", sorted(WRONG_VAR_DECODERS))
 @pytest.mark.parametrize("var_key", ["var", "var_plain"])
-def test_load_refuses_decoders_that_are_not_a_vqvae(files, var_key):
-    with pytest.raises(ValueError, match=r"vae= .*kl16_plain\.safetensors is a KL-16 VAE decoder file \(recognised "
-                                         r"from its tensor names\), not VAR's VQVAE decoder: pass it as vae=.* "
-                                         r"together with a MAR model file"):
-        mc.load(files[var_key], vae=files["kl16_plain"])
-    with pytest.raises(ValueError, match=r"vae= .*mar_plain\.safetensors is a MAR model file .*not VAR's VQVAE"):
-        mc.load(files[var_key], vae=files["mar_plain"])
-    with pytest.raises(ValueError, match=r"vae= .* is a VAR transformer file .*not VAR's VQVAE decoder: pass it as "
-                                         r"the model path"):
-        mc.load(files[var_key], vae=files["var"])
+def test_load_refuses_a_wrong_decoder_for_a_var(files, var_key, vae_key):
+    with pytest.raises(ValueError, match=WRONG_VAR_DECODERS[vae_key]):
+        mc.load(files[var_key], vae=files[vae_key])
 
 
 def test_load_refuses_a_vqvae_for_a_mar(files):
     with pytest.raises(ValueError, match=r"vae= .*vqvae_plain\.safetensors is VAR's VQVAE decoder file \(recognised "
                                          r"from its tensor names\), not a KL-16 VAE decoder"):
         mc.load(files["mar_plain"], vae=files["vqvae_plain"])
-
-
-@pytest.mark.parametrize("var_key", ["var", "var_plain"])
-def test_load_refuses_a_vqvae_of_another_codebook(files, var_key):
-    with pytest.raises(ValueError, match=r"does not fit .*: the VQVAE's codebook has 16 entries "
-                                         r"\(quantize\.embedding\.weight \[16, 8\]\) but the VAR predicts 64 tokens "
-                                         r"\(head\.weight \[64, 128\]\)"):
-        mc.load(files[var_key], vae=files["vqvae_v16"])
-    with pytest.raises(ValueError, match=r"the VQVAE's latent has 4 channels \(quantize\.embedding\.weight \[64, 4\]\) "
-                                         r"but the VAR's word_embed takes 8 \(word_embed\.weight \[128, 8\]\)"):
-        mc.load(files[var_key], vae=files["vqvae_z4"])
 
 
 def test_load_refuses_mar_only_arguments_for_a_var(files):
@@ -380,20 +378,12 @@ def _tiny_inception(tmp_path):
     return path
 
 
-def _readme_sweep_example():
-    text = open(README).read()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    found = [b for b in blocks if "def test_cache_keeps_fid" in b]
-    assert len(found) == 1, "README must hold exactly one pytest sweep example"
-    return found[0]
-
-
 def test_readme_pytest_sweep_example_runs_on_a_var(files, tmp_path):
     """The README's sweep example, verbatim, with only the model files changed to a VAR
     and its VQVAE (test_eval.py runs it on a MAR)."""
     from marcache import eval as ev
 
-    (tmp_path / "test_fid_sweep.py").write_text(_readme_sweep_example())
+    (tmp_path / "test_fid_sweep.py").write_text(readme_sweep_example())
     inception = _tiny_inception(tmp_path)
     net = ev.InceptionV3.load(inception)
     rng = np.random.default_rng(5)

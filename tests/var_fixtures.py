@@ -4,6 +4,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from reference import var as RV
+from reference import vqvae as RVQ
 
 # depth 2, width 128, 2 heads of 64, vocab 64, 4 scales (30 tokens); scale_mul spans the
 # ln 100 cap (ln 2 .. ln 400 over the 4 heads).
@@ -24,3 +25,34 @@ def write_tiny_var(path, seed=0, dtype=np.float32, metadata=True, buffers=True, 
     stored = {k: (v if v.dtype == np.int64 else v.astype(dtype)) for k, v in W.items() if k not in drop}
     save_file(stored, str(path), metadata=meta)
     return W
+
+
+# The tiny VQVAE the generation tests pair with a tiny VAR (z = TINY's vae_channels, vocab = TINY's).
+TINY_VQ = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z=8, vocab=64, num_phi=4)
+
+
+class VQ:
+    """The reference's VQ update (tests/reference/vqvae.py) for the reference loops'
+    generate (RV.generate, RF.generate)."""
+
+    def __init__(self, W):
+        self.W = W
+        self.codebook = W["quantize.embedding.weight"]
+        self.num_phi = RVQ.count_phi(W)
+
+    def add_scale(self, f_hat, h, si, n_scales):
+        return RVQ.add_scale(self.W, f_hat, h, RVQ.phi_index(si, n_scales, self.num_phi))
+
+    def next_input(self, f_hat, pn):
+        return RVQ.resize_area(f_hat, pn, pn)
+
+
+def write_tiny_var_and_vqvae(folder, var_name, var_seed, vq_seed, **var_overrides):
+    """A tiny VAR (write_tiny_var with `var_overrides`) and a TINY_VQ VQVAE written into
+    `folder`: (var path, its state dict, VQVAE path, its state dict)."""
+    var_path = folder / var_name
+    W = write_tiny_var(var_path, seed=var_seed, **var_overrides)
+    VQW = RVQ.random_vqvae_weights(np.random.default_rng(vq_seed), **TINY_VQ)
+    vq_path = folder / "tiny_vqvae.safetensors"
+    save_file(dict(VQW), str(vq_path))
+    return str(var_path), W, str(vq_path), VQW

@@ -368,6 +368,24 @@ MAR_DEFAULTS = dict(width=96, heads=3, depth=3, decoder_depth=6, buffer=16, head
                     lr=1e-3, warmup=200, weight_decay=0.02, ema=0.999)
 
 
+def _optimizer_step(opt, loss, module, ema, ema_target, it):
+    """One step of `opt` on `loss` (gradients clipped to norm 3), then the EMA of
+    `module`'s floating-point state in `ema` with the usual warm-up: decay
+    (1 + it) / (10 + it) until it reaches `ema_target`, so that a short run does not
+    ship weights still weighted to the init."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 3.0)
+    opt.step()
+    decay_now = min(ema_target, (1 + it) / (10 + it))
+    with torch.no_grad():
+        for k, v in module.state_dict().items():
+            if v.dtype.is_floating_point:
+                ema[k].mul_(decay_now).add_(v, alpha=1 - decay_now)
+
+
 def train_mar(tokens, labels, cfg, seed, log_every=100):
     import torch
 
@@ -401,17 +419,7 @@ def train_mar(tokens, labels, cfg, seed, log_every=100):
         t = torch.randint(0, diffusion.steps, (z.shape[0],), generator=gen)
         noise = torch.randn(target.shape, generator=gen)
         loss = diffusion.loss(model.diffloss.net, target, t, z, noise).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 3.0)
-        opt.step()
-        # EMA with the usual warm-up (decay (1 + it) / (10 + it) until it reaches
-        # cfg["ema"]): a short run must not ship weights still weighted to the init.
-        decay_now = min(cfg["ema"], (1 + it) / (10 + it))
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                if v.dtype.is_floating_point:
-                    ema[k].mul_(decay_now).add_(v, alpha=1 - decay_now)
+        _optimizer_step(opt, loss, model, ema, cfg["ema"], it)
         running += loss.item()
         if (it + 1) % log_every == 0:
             print(f"mar iter {it + 1}/{cfg['iters']} loss {running / log_every:.4f} lr {lr:.2e} "
@@ -467,14 +475,7 @@ def finetune_head(state, tokens, labels, cfg, hcfg, seed, log_every=100):
         noise = torch.randn(target.shape, generator=gen)
         net.train()
         loss = diffusion.loss(net, target, t, z, noise).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 3.0)
-        opt.step()
-        decay_now = min(hcfg["ema"], (1 + it) / (10 + it))
-        with torch.no_grad():
-            for k, v in net.state_dict().items():
-                ema[k].mul_(decay_now).add_(v, alpha=1 - decay_now)
+        _optimizer_step(opt, loss, net, ema, hcfg["ema"], it)
         running += loss.item()
         if (it + 1) % log_every == 0:
             print(f"head iter {it + 1}/{hcfg['iters']} loss {running / log_every:.4f} {time.time() - t0:.0f}s",

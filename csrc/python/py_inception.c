@@ -7,34 +7,19 @@
  * The forward runs with the GIL released; between chunks (and blocks) it
  * takes the GIL back just long enough to check for Ctrl-C. One call at a
  * time per object (the activation buffers are reused). */
-#include "py_numpy.h"
-#include "py_backend.h"
+#include "py_model.h"
 
 #include <pythread.h>
 
 #include "../models/inception.h"
 
 typedef struct {
-    PyObject_HEAD
-    mc_backend *backend;
+    MCPY_MODEL_HEAD /* the lock: one forward at a time (the activation buffers are reused) */
     mc_inception *net;
     mc_inception_info info;
-    PyThread_type_lock lock;
 } InceptionObject;
 
-static void inception_release(InceptionObject *self) {
-    mc_inception_free(self->net);
-    self->net = NULL;
-    mc_backend_destroy(self->backend);
-    self->backend = NULL;
-}
-
-static void Inception_dealloc(InceptionObject *self) {
-    inception_release(self);
-    if (self->lock != NULL)
-        PyThread_free_lock(self->lock);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+MCPY_MODEL_LIFECYCLE(Inception, InceptionObject, net, mc_inception_free)
 
 /* What mcpy_load_model's loader gets for the network: the chunk size, and
  * where the network goes. */
@@ -57,45 +42,23 @@ static int Inception_init(InceptionObject *self, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|iLs:Inception", kwlist, PyUnicode_FSConverter,
                                      &path_bytes, &num_threads, &chunk, &device))
         return -1;
-    if (num_threads < 0 || chunk < 1 || chunk > 4096) {
+    if (chunk < 1 || chunk > 4096) {
         Py_DECREF(path_bytes);
-        PyErr_Format(PyExc_ValueError,
-                     "num_threads must be >= 0 (0 = all OpenMP threads) and chunk in 1..4096, got "
-                     "num_threads=%d, chunk=%lld",
-                     num_threads, chunk);
+        PyErr_Format(PyExc_ValueError, "chunk must be in 1..4096, got chunk=%lld", chunk);
         return -1;
     }
-    if (mcpy_ensure_lock(&self->lock) < 0) {
-        Py_DECREF(path_bytes);
-        return -1;
-    }
-    inception_release(self);
-
-    mc_err err = {0};
-    mc_backend *backend = NULL;
     loading request = {(int64_t)chunk, NULL};
-    mc_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = mcpy_load_model(PyBytes_AS_STRING(path_bytes), device, num_threads, MC_WTYPE_F32,
-                         load_inception, &request, &backend, &err);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(path_bytes);
-    if (st != MC_OK) {
-        mcpy_raise(&err);
+    if (mcpy_model_load((mcpy_model_object *)self, Inception_release_model, 1, path_bytes, device, num_threads,
+                        "num_threads", MC_WTYPE_F32, load_inception, &request) < 0)
         return -1;
-    }
-    mc_inception *net = request.net;
-    self->backend = backend;
-    self->net = net;
-    mc_inception_get_info(net, &self->info);
+    self->net = request.net;
+    mc_inception_get_info(request.net, &self->info);
     return 0;
 }
 
 static PyObject *Inception_features(InceptionObject *self, PyObject *obj) {
-    if (self->net == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Inception is not initialised");
+    if (mcpy_require_loaded(self->net, "Inception") < 0)
         return NULL;
-    }
     if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_UINT8) {
         PyErr_Format(PyExc_ValueError,
                      "images must be a numpy uint8 array [n, height, width, 3] (NHWC, RGB), got %s",
@@ -138,21 +101,12 @@ static PyObject *Inception_features(InceptionObject *self, PyObject *obj) {
     Py_DECREF(images);
     if (st != MC_OK) {
         Py_DECREF(pool);
-        Py_DECREF(logits);
-        return mcpy_raise(&err);
+        return mcpy_result(st, &err, (PyObject *)logits);
     }
     return Py_BuildValue("(NN)", pool, logits);
 }
 
-#define INCEPTION_INFO_GETTER(field, conv)                                  \
-    static PyObject *Inception_get_##field(InceptionObject *self, void *c) { \
-        (void)c;                                                            \
-        if (self->net == NULL) {                                            \
-            PyErr_SetString(PyExc_RuntimeError, "Inception is not initialised"); \
-            return NULL;                                                    \
-        }                                                                   \
-        return conv(self->info.field);                                      \
-    }
+#define INCEPTION_INFO_GETTER(field, conv) MCPY_INFO_GETTER(Inception, InceptionObject, net, "Inception", field, conv)
 
 INCEPTION_INFO_GETTER(feature_dim, PyLong_FromLongLong)
 INCEPTION_INFO_GETTER(num_classes, PyLong_FromLongLong)
@@ -171,30 +125,20 @@ static PyMethodDef Inception_methods[] = {
 };
 
 static PyGetSetDef Inception_getset[] = {
-    {"feature_dim", (getter)Inception_get_feature_dim, NULL, "pool feature width (2048)", NULL},
-    {"num_classes", (getter)Inception_get_num_classes, NULL, "logit count (1008)", NULL},
-    {"num_params", (getter)Inception_get_num_params, NULL, "elements of every tensor read", NULL},
-    {"chunk", (getter)Inception_get_chunk, NULL, "images per forward pass", NULL},
-    {"standard", (getter)Inception_get_standard, NULL,
-     "True when every width is the FID network's (False for narrower test networks)", NULL},
-    {"flops_per_image", (getter)Inception_get_flops_per_image, NULL,
-     "convolution + fc FLOPs of one image at 299 x 299 (2 per multiply-add)", NULL},
+    MCPY_GETTER_ENTRY(Inception, feature_dim, "pool feature width (2048)"),
+    MCPY_GETTER_ENTRY(Inception, num_classes, "logit count (1008)"),
+    MCPY_GETTER_ENTRY(Inception, num_params, "elements of every tensor read"),
+    MCPY_GETTER_ENTRY(Inception, chunk, "images per forward pass"),
+    MCPY_GETTER_ENTRY(Inception, standard,
+     "True when every width is the FID network's (False for narrower test networks)"),
+    MCPY_GETTER_ENTRY(Inception, flops_per_image,
+     "convolution + fc FLOPs of one image at 299 x 299 (2 per multiply-add)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject Inception_type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "marcache._C.Inception",
-    .tp_basicsize = sizeof(InceptionObject),
-    .tp_dealloc = (destructor)Inception_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Inception(path, num_threads=0, chunk=8): the FID-Inception network (pytorch-fid\n"
-              "key names, BatchNorm folded at load) on the CPU backend.",
-    .tp_methods = Inception_methods,
-    .tp_getset = Inception_getset,
-    .tp_init = (initproc)Inception_init,
-    .tp_new = PyType_GenericNew,
-};
+MCPY_MODEL_TYPE(Inception, InceptionObject, "Inception",
+                "Inception(path, num_threads=0, chunk=8): the FID-Inception network (pytorch-fid\n"
+              "key names, BatchNorm folded at load) on the CPU backend.");
 
 /* png_unfilter(raw: bytes, height, stride, bpp) -> uint8 [height, stride]:
  * undoes the five PNG scanline filters (each row: 1 filter byte + stride
@@ -264,12 +208,5 @@ static PyMethodDef inception_module_methods[] = {
 };
 
 int mcpy_inception_init(PyObject *module) {
-    if (PyType_Ready(&Inception_type) < 0)
-        return -1;
-    Py_INCREF(&Inception_type);
-    if (PyModule_AddObject(module, "Inception", (PyObject *)&Inception_type) < 0) {
-        Py_DECREF(&Inception_type);
-        return -1;
-    }
-    return PyModule_AddFunctions(module, inception_module_methods);
+    return mcpy_add_type(module, &Inception_type, "Inception", inception_module_methods);
 }

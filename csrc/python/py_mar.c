@@ -1,7 +1,7 @@
 /* marcache._C.MAR: a loaded MAR model and its sampler. Arguments are checked
  * here and in marcache/ (the public API); compute releases the GIL and polls
  * for Ctrl-C between AR steps. */
-#include "py_numpy.h"
+#include "py_model.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -9,22 +9,32 @@
 
 #include "../runtime/mar_workspace.h"
 #include "../runtime/mar_sampler.h"
-#include "py_backend.h"
-#include "py_config.h"
 #include "py_generate.h"
 
 typedef struct {
-    PyObject_HEAD
-    mc_backend *backend;
+    MCPY_MODEL_HEAD
     mc_mar *mar;
     mc_diffusion diffusion;
     int busy; /* set while the GIL is released: one call at a time */
 } PyMAR;
 
-static void mar_dealloc(PyMAR *self) {
-    mc_mar_free(self->mar);
-    mc_backend_destroy(self->backend);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+MCPY_MODEL_LIFECYCLE(mar, PyMAR, mar, mc_mar_free)
+
+/* What mcpy_load_model's loader gets for a MAR: the head count and the
+ * diffusion tables it sets up first, and where the model goes. */
+typedef struct mar_loading {
+    int heads, diffusion_steps;
+    mc_diffusion *diffusion;
+    mc_mar *mar;
+} mar_loading;
+
+static mc_status load_mar(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
+    mar_loading *request = model;
+    mc_status st = mc_diffusion_init(request->diffusion, request->diffusion_steps, err);
+    if (st == MC_OK)
+        st = mc_mar_load(backend, file, request->heads, request->diffusion->timesteps, request->diffusion->n_steps,
+                         &request->mar, err);
+    return st;
 }
 
 static int mar_init(PyMAR *self, PyObject *args, PyObject *kwargs) {
@@ -40,39 +50,18 @@ static int mar_init(PyMAR *self, PyObject *args, PyObject *kwargs) {
         Py_DECREF(path_obj);
         return -1;
     }
-    mc_err err = {0};
-    mc_st_file *file = NULL;
-    mc_status st = MC_OK;
-    mc_mar_free(self->mar);
-    self->mar = NULL;
-    /* __init__ again on a live object: the new device and dtype apply. */
-    mc_backend_destroy(self->backend);
-    self->backend = NULL;
-    const char *path = PyBytes_AS_STRING(path_obj);
-    Py_BEGIN_ALLOW_THREADS
-    st = mc_diffusion_init(&self->diffusion, diffusion_steps, &err);
-    if (st == MC_OK)
-        st = mcpy_backend_open(device, threads, wtype, &self->backend, &err);
-    if (st == MC_OK)
-        st = mc_st_open(path, &file, &err);
-    if (st == MC_OK)
-        st = mc_mar_load(self->backend, file, heads, self->diffusion.timesteps,
-                         self->diffusion.n_steps, &self->mar, &err);
-    mc_st_close(file);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(path_obj);
-    if (st != MC_OK) {
-        mcpy_raise(&err);
+    mar_loading request = {heads, diffusion_steps, &self->diffusion, NULL};
+    /* (__init__ again on a live object: the new device and dtype apply.) */
+    if (mcpy_model_load((mcpy_model_object *)self, mar_release_model, 0, path_obj, device, threads, "threads", wtype,
+                        load_mar, &request) < 0)
         return -1;
-    }
+    self->mar = request.mar;
     return 0;
 }
 
 static int claim(PyMAR *self) {
-    if (self->mar == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "MAR model is not loaded");
+    if (mcpy_require_loaded(self->mar, "MAR model") < 0)
         return -1;
-    }
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError,
                         "this MAR model is already running a call in another thread");
@@ -80,19 +69,6 @@ static int claim(PyMAR *self) {
     }
     self->busy = 1;
     return 0;
-}
-
-/* A C-contiguous array of the given type and rank, or NULL with ValueError. */
-static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char *what) {
-    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 0, 0, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST);
-    if (arr == NULL)
-        return NULL;
-    if (PyArray_NDIM(arr) != ndim) {
-        PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got %d", what, ndim, PyArray_NDIM(arr));
-        Py_DECREF(arr);
-        return NULL;
-    }
-    return arr;
 }
 
 /* MAR's tail of a step dict; with trace_rows, the kept (active) rows of a
@@ -120,48 +96,7 @@ static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
     return rc;
 }
 
-/* The policy named by the dict's "policy" key, its config filled from the
- * rest of the dict (the Python policy's own fields) by the policy's field
- * table, and checked against the model. */
-static const mc_mar_policy_ops *parse_policy(PyObject *cache, const mc_mar_config *model, void **config) {
-    *config = NULL;
-    if (!PyDict_Check(cache)) {
-        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from a marcache cache policy's as_dict()");
-        return NULL;
-    }
-    PyObject *name_obj = PyDict_GetItemString(cache, "policy");
-    const char *name = name_obj && PyUnicode_Check(name_obj) ? PyUnicode_AsUTF8(name_obj) : NULL;
-    if (name == NULL) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "cache config: missing 'policy' (the policy's name)");
-        return NULL;
-    }
-    const mc_mar_policy_ops *ops = mc_mar_policy_find(name);
-    if (ops == NULL) {
-        PyErr_Format(PyExc_ValueError, "cache config: no MAR cache policy named '%s'", name);
-        return NULL;
-    }
-    *config = PyMem_Calloc(1, ops->schema.size);
-    if (*config == NULL) {
-        mcpy_no_memory("the cache policy's configuration", ops->schema.size);
-        return NULL;
-    }
-    mc_err err = {0};
-    if (mcpy_fill_config(cache, name, ops->schema.fields, *config, ops->schema.size, "policy") < 0 ||
-        (ops->check(*config, model, &err) != MC_OK && mcpy_raise(&err) == NULL)) {
-        mcpy_free_config(ops->schema.fields, *config);
-        PyMem_Free(*config);
-        *config = NULL;
-        return NULL;
-    }
-    return ops;
-}
-
-static void free_policy_config(const mc_mar_policy_ops *policy, void *config) {
-    if (policy != NULL)
-        mcpy_free_config(policy->schema.fields, config);
-    PyMem_Free(config);
-}
+MCPY_PARSE_POLICY(mar, "MAR")
 
 static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"labels", "steps", "cfg", "cfg_schedule", "temperature", "seed",
@@ -175,8 +110,8 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
                                      &schedule_name, &temperature, &seed, &first_index, &callback,
                                      &cache_obj, &trace_rows))
         return NULL;
-    if (self->mar == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
+    if (mcpy_require_loaded(self->mar, "MAR model") < 0)
+        return NULL;
     mc_cfg_schedule schedule;
     if (strcmp(schedule_name, "linear") == 0)
         schedule = MC_CFG_LINEAR;
@@ -186,11 +121,11 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
         return PyErr_Format(PyExc_ValueError, "cfg_schedule must be 'linear' or 'constant', got '%s'", schedule_name);
     if (first_index > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
-    void *policy_config = NULL;
-    const mc_mar_policy_ops *policy = NULL;
-    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, &self->mar->config, &policy_config)) == NULL)
+    void *policy_config;
+    const mc_mar_policy_ops *policy;
+    if (parse_policy(cache_obj, &self->mar->config, &policy, &policy_config) < 0)
         return NULL;
-    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
+    PyArrayObject *labels = mcpy_array_arg(labels_obj, NPY_INT32, 1, "labels");
     if (labels == NULL) {
         free_policy_config(policy, policy_config);
         return NULL;
@@ -236,16 +171,17 @@ static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
     PyObject *tok_obj, *mask_obj, *lab_obj;
     if (!PyArg_ParseTuple(args, "OOO", &tok_obj, &mask_obj, &lab_obj))
         return NULL;
-    if (self->mar == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
+    if (mcpy_require_loaded(self->mar, "MAR model") < 0)
+        return NULL;
     const mc_mar_config *c = &self->mar->config;
-    PyArrayObject *tok = as_array(tok_obj, NPY_FLOAT32, 3, "tokens");
-    PyArrayObject *mask = tok ? as_array(mask_obj, NPY_UINT8, 2, "mask") : NULL;
-    PyArrayObject *lab = mask ? as_array(lab_obj, NPY_INT32, 1, "labels") : NULL;
+    PyArrayObject *arrays[3];
+    const mcpy_array_spec specs[3] = {{tok_obj, NPY_FLOAT32, 3, "tokens"}, {mask_obj, NPY_UINT8, 2, "mask"},
+                                      {lab_obj, NPY_INT32, 1, "labels"}};
+    if (mcpy_arrays_arg(3, specs, arrays) < 0)
+        return NULL;
+    PyArrayObject *tok = arrays[0], *mask = arrays[1], *lab = arrays[2];
     PyObject *result = NULL;
     int32_t *known = NULL, *out_rows = NULL;
-    if (lab == NULL)
-        goto done;
     const int64_t B = PyArray_DIM(tok, 0), S = c->seq_len;
     if (PyArray_DIM(tok, 1) != S || PyArray_DIM(tok, 2) != c->token_channels || PyArray_DIM(mask, 0) != B ||
         PyArray_DIM(mask, 1) != S || PyArray_DIM(lab, 0) != B) {
@@ -315,18 +251,11 @@ static PyObject *mar_transformer(PyMAR *self, PyObject *args) {
         st = be->ops->download(be, PyArray_DATA(z), d_z, (size_t)(B * S * c->dec_width) * sizeof(float), &err);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    if (st != MC_OK) {
-        Py_DECREF(z);
-        mcpy_raise(&err);
-        goto done;
-    }
-    result = (PyObject *)z;
+    result = mcpy_result(st, &err, (PyObject *)z);
 done:
     PyMem_Free(known);
     PyMem_Free(out_rows);
-    Py_XDECREF(tok);
-    Py_XDECREF(mask);
-    Py_XDECREF(lab);
+    mcpy_arrays_release(3, arrays);
     return result;
 }
 
@@ -336,30 +265,28 @@ static PyObject *mar_head(PyMAR *self, PyObject *args) {
     int t_index;
     if (!PyArg_ParseTuple(args, "OOi", &x_obj, &z_obj, &t_index))
         return NULL;
-    if (self->mar == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
+    if (mcpy_require_loaded(self->mar, "MAR model") < 0)
+        return NULL;
     const mc_mar_config *c = &self->mar->config;
     if (t_index < 0 || t_index >= self->diffusion.n_steps)
         return PyErr_Format(PyExc_ValueError, "timestep index must be in 0..%d", self->diffusion.n_steps - 1);
-    PyArrayObject *x = as_array(x_obj, NPY_FLOAT32, 2, "x");
-    PyArrayObject *z = x ? as_array(z_obj, NPY_FLOAT32, 2, "z") : NULL;
-    if (z == NULL) {
-        Py_XDECREF(x);
+    PyArrayObject *arrays[2];
+    const mcpy_array_spec specs[2] = {{x_obj, NPY_FLOAT32, 2, "x"}, {z_obj, NPY_FLOAT32, 2, "z"}};
+    if (mcpy_arrays_arg(2, specs, arrays) < 0)
         return NULL;
-    }
+    PyArrayObject *x = arrays[0], *z = arrays[1], *out = NULL;
     const int64_t N = PyArray_DIM(x, 0);
     if (PyArray_DIM(x, 1) != c->token_channels || PyArray_DIM(z, 0) != N || PyArray_DIM(z, 1) != c->dec_width) {
-        Py_DECREF(x);
-        Py_DECREF(z);
-        return PyErr_Format(PyExc_ValueError, "expected x [N, %lld] and z [N, %lld]", (long long)c->token_channels,
-                            (long long)c->dec_width);
+        PyErr_Format(PyExc_ValueError, "expected x [N, %lld] and z [N, %lld]", (long long)c->token_channels,
+                     (long long)c->dec_width);
+        mcpy_arrays_release(2, arrays);
+        return NULL;
     }
     npy_intp dims[2] = {(npy_intp)N, (npy_intp)(2 * c->token_channels)};
-    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
     if (out == NULL || claim(self) < 0) {
-        Py_DECREF(x);
-        Py_DECREF(z);
         Py_XDECREF(out);
+        mcpy_arrays_release(2, arrays);
         return NULL;
     }
     mc_err err = {0};
@@ -387,13 +314,8 @@ static PyObject *mar_head(PyMAR *self, PyObject *args) {
         st = be->ops->download(be, PyArray_DATA(out), d_out, (size_t)(N * 2 * C) * sizeof(float), &err);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    Py_DECREF(x);
-    Py_DECREF(z);
-    if (st != MC_OK) {
-        Py_DECREF(out);
-        return mcpy_raise(&err);
-    }
-    return (PyObject *)out;
+    mcpy_arrays_release(2, arrays);
+    return mcpy_result(st, &err, (PyObject *)out);
 }
 
 /* head_sample(z [n or 2n, Dd], images uint32 [n], positions uint32 [n], cfg, temperature, seed) -> x [n, C] */
@@ -405,59 +327,47 @@ static PyObject *mar_head_sample(PyMAR *self, PyObject *args, PyObject *kwargs) 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|ddK", keywords, &z_obj, &img_obj, &pos_obj, &cfg,
                                      &temperature, &seed))
         return NULL;
-    if (self->mar == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "MAR model is not loaded");
-    const mc_mar_config *c = &self->mar->config;
-    PyArrayObject *z = as_array(z_obj, NPY_FLOAT32, 2, "z");
-    PyArrayObject *img = z ? as_array(img_obj, NPY_UINT32, 1, "images") : NULL;
-    PyArrayObject *pos = img ? as_array(pos_obj, NPY_UINT32, 1, "positions") : NULL;
-    if (pos == NULL) {
-        Py_XDECREF(z);
-        Py_XDECREF(img);
+    if (mcpy_require_loaded(self->mar, "MAR model") < 0)
         return NULL;
-    }
+    const mc_mar_config *c = &self->mar->config;
+    PyArrayObject *arrays[3];
+    const mcpy_array_spec specs[3] = {{z_obj, NPY_FLOAT32, 2, "z"}, {img_obj, NPY_UINT32, 1, "images"},
+                                      {pos_obj, NPY_UINT32, 1, "positions"}};
+    if (mcpy_arrays_arg(3, specs, arrays) < 0)
+        return NULL;
+    PyArrayObject *z = arrays[0], *img = arrays[1], *pos = arrays[2];
+    PyObject *result = NULL;
     const int cfg_on = cfg != 1.0;
-    const int64_t n = PyArray_DIM(img, 0);
-    if (PyArray_DIM(pos, 0) != n || PyArray_DIM(z, 0) != (cfg_on ? 2 * n : n) || PyArray_DIM(z, 1) != c->dec_width) {
-        Py_DECREF(z);
-        Py_DECREF(img);
-        Py_DECREF(pos);
-        return PyErr_Format(PyExc_ValueError, "expected images [n], positions [n] and z [%s, %lld]",
-                            cfg_on ? "2n" : "n", (long long)c->dec_width);
+    const int64_t n = PyArray_DIM(img, 0), zrows = PyArray_DIM(z, 0);
+    if (PyArray_DIM(pos, 0) != n || zrows != (cfg_on ? 2 * n : n) || PyArray_DIM(z, 1) != c->dec_width) {
+        PyErr_Format(PyExc_ValueError, "expected images [n], positions [n] and z [%s, %lld]", cfg_on ? "2n" : "n",
+                     (long long)c->dec_width);
+        goto done;
     }
     npy_intp dims[2] = {(npy_intp)n, (npy_intp)c->token_channels};
     PyArrayObject *x = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
     if (x == NULL || claim(self) < 0) {
-        Py_DECREF(z);
-        Py_DECREF(img);
-        Py_DECREF(pos);
         Py_XDECREF(x);
-        return NULL;
+        goto done;
     }
     mc_err err = {0};
     mc_status st;
-    mc_mar *mar = self->mar;
     mc_backend *be = self->backend;
-    const int64_t zrows = PyArray_DIM(z, 0);
     Py_BEGIN_ALLOW_THREADS
-    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(mar, &err);
+    mc_mar_runtime_acts *acts = mc_mar_runtime_acts_of(self->mar, &err);
     float *d_z = acts ? mc_buffer_floats(be, &acts->sampler.z, (size_t)(zrows * c->dec_width), "sampler.z", &err) : NULL;
     st = d_z ? MC_OK : err.status;
     if (st == MC_OK)
         st = be->ops->upload(be, d_z, PyArray_DATA(z), (size_t)(zrows * c->dec_width) * sizeof(float), &err);
     if (st == MC_OK)
-        st = mc_mar_head_sample(mar, &self->diffusion, d_z, n, cfg_on, (float)cfg, temperature, (uint64_t)seed,
+        st = mc_mar_head_sample(self->mar, &self->diffusion, d_z, n, cfg_on, (float)cfg, temperature, (uint64_t)seed,
                                 PyArray_DATA(img), PyArray_DATA(pos), PyArray_DATA(x), &err);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    Py_DECREF(z);
-    Py_DECREF(img);
-    Py_DECREF(pos);
-    if (st != MC_OK) {
-        Py_DECREF(x);
-        return mcpy_raise(&err);
-    }
-    return (PyObject *)x;
+    result = mcpy_result(st, &err, (PyObject *)x);
+done:
+    mcpy_arrays_release(3, arrays);
+    return result;
 }
 
 static PyObject *mar_get_config(PyMAR *self, void *closure) {
@@ -487,21 +397,6 @@ static PyObject *mar_get_weight_bytes(PyMAR *self, void *closure) {
     return PyLong_FromSize_t(self->mar ? self->mar->weights.bytes : 0);
 }
 
-static PyObject *mar_get_allocations(PyMAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
-}
-
-static PyObject *mar_get_syncs(PyMAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
-}
-
-static PyObject *mar_get_flops(PyMAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->dispatched_flops : 0);
-}
-
 static PyObject *mar_get_timesteps(PyMAR *self, void *closure) {
     (void)closure;
     PyObject *list = PyList_New(self->diffusion.n_steps);
@@ -524,34 +419,16 @@ static PyMethodDef mar_methods[] = {
 };
 
 static PyGetSetDef mar_getset[] = {
-    {"config", (getter)mar_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
-    {"num_params", (getter)mar_get_num_params, NULL, "number of parameters", NULL},
-    {"weight_bytes", (getter)mar_get_weight_bytes, NULL,
-     "bytes of backend memory the loaded weights and load-time constants hold", NULL},
-    {"backend_allocations", (getter)mar_get_allocations, NULL,
-     "allocations of backend memory so far (weights, workspace, caches, scratch growth)", NULL},
-    {"backend_syncs", (getter)mar_get_syncs, NULL,
-     "host waits for the backend so far: downloads and uploads over 1 MiB (counted alike on every backend)",
-     NULL},
-    {"backend_flops", (getter)mar_get_flops, NULL,
-     "FLOPs of the GEMM and attention ops dispatched so far (ops_list.h's convention, that of "
-     "marcache.flops); counted on the guard backend only, 0 elsewhere", NULL},
-    {"timesteps", (getter)mar_get_timesteps, NULL, "original diffusion timesteps tau_j seen by the head", NULL},
+    MCPY_GETTER_ENTRY(mar, config, "hyper-parameters read from the checkpoint"),
+    MCPY_GETTER_ENTRY(mar, num_params, "number of parameters"),
+    MCPY_GETTER_ENTRY(mar, weight_bytes, "bytes of backend memory the loaded weights and load-time constants hold"),
+    MCPY_BACKEND_COUNTER_GETSETS,
+    MCPY_GETTER_ENTRY(mar, timesteps, "original diffusion timesteps tau_j seen by the head"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject PyMAR_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "marcache._C.MAR",
-    .tp_basicsize = sizeof(PyMAR),
-    .tp_dealloc = (destructor)mar_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "MAR(path, heads=0, diffusion_steps=100, threads=0): a MAR model on the CPU backend",
-    .tp_methods = mar_methods,
-    .tp_getset = mar_getset,
-    .tp_init = (initproc)mar_init,
-    .tp_new = PyType_GenericNew,
-};
+MCPY_MODEL_TYPE(mar, PyMAR, "MAR",
+                "MAR(path, heads=0, diffusion_steps=100, threads=0): a MAR model on the CPU backend");
 
 /* diffusion_tables(steps, clip=999) -> dict of the engine's respaced float64
  * tables (runtime/diffusion.c), for tests against a float64 reference. */
@@ -616,15 +493,4 @@ static PyMethodDef mar_module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int mcpy_mar_init(PyObject *module) {
-    if (PyModule_AddFunctions(module, mar_module_methods) < 0)
-        return -1;
-    if (PyType_Ready(&PyMAR_Type) < 0)
-        return -1;
-    Py_INCREF(&PyMAR_Type);
-    if (PyModule_AddObject(module, "MAR", (PyObject *)&PyMAR_Type) < 0) {
-        Py_DECREF(&PyMAR_Type);
-        return -1;
-    }
-    return 0;
-}
+int mcpy_mar_init(PyObject *module) { return mcpy_add_type(module, &mar_type, "MAR", mar_module_methods); }

@@ -3,7 +3,7 @@
  * mcpy_generate), and components the tests compare with the float64
  * reference scale by scale. Arguments are checked here and in marcache/;
  * compute runs with the GIL released; one call at a time per model. */
-#include "py_numpy.h"
+#include "py_model.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -12,29 +12,16 @@
 
 #include "../models/var.h"
 #include "../runtime/var_sampler.h"
-#include "py_backend.h"
-#include "py_config.h"
 #include "py_generate.h"
 #include "py_vqvae.h"
 
 typedef struct {
-    PyObject_HEAD
-    mc_backend *backend;
+    MCPY_MODEL_HEAD
     mc_var *var;
     int busy; /* set while the GIL is released: one call at a time */
 } PyVAR;
 
-static void var_release_model(PyVAR *self) {
-    mc_var_free(self->var);
-    self->var = NULL;
-    mc_backend_destroy(self->backend);
-    self->backend = NULL;
-}
-
-static void var_dealloc(PyVAR *self) {
-    var_release_model(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+MCPY_MODEL_LIFECYCLE(var, PyVAR, var, mc_var_free)
 
 static mc_status load_var(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
     return mc_var_load(backend, file, (mc_var **)model, err);
@@ -49,44 +36,25 @@ static int var_init(PyVAR *self, PyObject *args, PyObject *kwargs) {
                                      &device, &dtype, &threads))
         return -1;
     mc_wtype wtype;
-    if (mcpy_parse_wtype(dtype, &wtype) < 0) {
-        Py_DECREF(path_obj);
-        return -1;
-    }
-    if (threads < 0) {
-        Py_DECREF(path_obj);
-        PyErr_SetString(PyExc_ValueError, "threads must be >= 0 (0 = all OpenMP threads)");
-        return -1;
-    }
-    if (self->busy) {
-        Py_DECREF(path_obj);
+    if (self->busy)
         PyErr_SetString(PyExc_RuntimeError, "this VAR model is running a call in another thread");
+    if (self->busy || mcpy_parse_wtype(dtype, &wtype) < 0) {
+        Py_DECREF(path_obj);
         return -1;
     }
-    var_release_model(self); /* __init__ again on a live object: the new device and dtype apply */
-    mc_err err = {0};
-    mc_status st;
-    mc_backend *backend = NULL;
     mc_var *var = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = mcpy_load_model(PyBytes_AS_STRING(path_obj), device, threads, wtype, load_var, &var, &backend, &err);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(path_obj);
-    if (st != MC_OK) {
-        mcpy_raise(&err);
+    /* (__init__ again on a live object: the new device and dtype apply.) */
+    if (mcpy_model_load((mcpy_model_object *)self, var_release_model, 0, path_obj, device, threads, "threads", wtype,
+                        load_var, &var) < 0)
         return -1;
-    }
-    self->backend = backend;
     self->var = var;
     return 0;
 }
 
 /* Takes the model for one call (GIL held); 0, or -1 with RuntimeError. */
 static int claim(PyVAR *self) {
-    if (self->var == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
         return -1;
-    }
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "this VAR model is already running a call in another thread");
         return -1;
@@ -95,27 +63,10 @@ static int claim(PyVAR *self) {
     return 0;
 }
 
-/* A C-contiguous array of the given type and rank, or NULL with ValueError. */
-static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char *what) {
-    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 0, 0,
-                                                          NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED |
-                                                              NPY_ARRAY_FORCECAST);
-    if (arr == NULL)
-        return NULL;
-    if (PyArray_NDIM(arr) != ndim) {
-        char shape[160];
-        mcpy_format_array_shape(shape, sizeof shape, arr);
-        PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got shape %s", what, ndim, shape);
-        Py_DECREF(arr);
-        return NULL;
-    }
-    return arr;
-}
-
 /* labels int32 [n] with every value in 0..num_classes (num_classes = the
  * null class), n >= 1. */
 static PyArrayObject *sequence_labels(PyVAR *self, PyObject *obj) {
-    PyArrayObject *labels = as_array(obj, NPY_INT32, 1, "labels");
+    PyArrayObject *labels = mcpy_array_arg(obj, NPY_INT32, 1, "labels");
     if (labels == NULL)
         return NULL;
     const int64_t n = PyArray_DIM(labels, 0), classes = self->var->config.num_classes;
@@ -144,6 +95,34 @@ static int scales_of_tokens(const mc_var_config *c, int64_t tokens) {
     return 0;
 }
 
+/* The tokens of the largest of scales 0..n_scales-1. */
+static int64_t largest_scale_rows(const mc_var_config *c, int n_scales) {
+    int64_t most = 0;
+    for (int s = 0; s < n_scales; s++)
+        most = c->patch_nums[s] * c->patch_nums[s] > most ? c->patch_nums[s] * c->patch_nums[s] : most;
+    return most;
+}
+
+/* Uploads rows begin..begin+n-1 of each of the N sequences of `seqs` (host,
+ * [N, seq_rows, width]) to `dev` ([N, n, width]) through the host staging
+ * buffer `stage`. */
+static mc_status upload_scale(mc_backend *be, float *dev, const float *seqs, int64_t N, int64_t seq_rows, int64_t begin,
+                              int64_t n, int64_t width, float *stage, mc_err *err) {
+    for (int64_t b = 0; b < N; b++)
+        memcpy(stage + b * n * width, seqs + (b * seq_rows + begin) * width, (size_t)(n * width) * sizeof(float));
+    return be->ops->upload(be, dev, stage, (size_t)(N * n * width) * sizeof(float), err);
+}
+
+/* The reverse of upload_scale: `dev` [N, n, width] into rows begin.. of
+ * each sequence of `seqs` [N, seq_rows, width]. */
+static mc_status download_scale(mc_backend *be, float *seqs, const float *dev, int64_t N, int64_t seq_rows,
+                                int64_t begin, int64_t n, int64_t width, float *stage, mc_err *err) {
+    mc_status st = be->ops->download(be, stage, dev, (size_t)(N * n * width) * sizeof(float), err);
+    for (int64_t b = 0; st == MC_OK && b < N; b++)
+        memcpy(seqs + (b * seq_rows + begin) * width, stage + b * n * width, (size_t)(n * width) * sizeof(float));
+    return st;
+}
+
 static PyObject *bad_token_count(const mc_var_config *c, const char *what, int64_t got, int64_t offset) {
     char list[256];
     size_t used = 0;
@@ -163,11 +142,11 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     PyObject *labels_obj, *maps_obj;
     if (!PyArg_ParseTuple(args, "OO:scale_inputs", &labels_obj, &maps_obj))
         return NULL;
-    if (self->var == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
+        return NULL;
     const mc_var_config *c = &self->var->config;
     PyArrayObject *labels = sequence_labels(self, labels_obj);
-    PyArrayObject *maps = labels ? as_array(maps_obj, NPY_FLOAT32, 3, "next_maps") : NULL;
+    PyArrayObject *maps = labels ? mcpy_array_arg(maps_obj, NPY_FLOAT32, 3, "next_maps") : NULL;
     if (maps == NULL) {
         Py_XDECREF(labels);
         return NULL;
@@ -195,12 +174,9 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     mc_status st = MC_OK;
     mc_var *var = self->var;
     mc_backend *be = self->backend;
-    const int32_t *label_data = PyArray_DATA(labels);
     const float *map_data = PyArray_DATA(maps);
     float *out_data = PyArray_DATA(out);
-    int64_t max_rows = 0;
-    for (int s = 0; s < n_scales; s++)
-        max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    const int64_t max_rows = largest_scale_rows(c, n_scales);
     Py_BEGIN_ALLOW_THREADS
     const size_t host_bytes = (size_t)(N * max_rows * (C > c->vae_channels ? C : c->vae_channels)) * sizeof(float);
     float *d_map = NULL, *host = malloc(host_bytes);
@@ -209,7 +185,7 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK)
-        st = mc_var_condition(var, label_data, N, &err);
+        st = mc_var_condition(var, PyArray_DATA(labels), N, &err);
     if (st == MC_OK && (d_map = be->ops->alloc(be, (size_t)(N * max_rows * c->vae_channels) * sizeof(float), &err)) ==
                            NULL)
         st = err.status;
@@ -218,17 +194,12 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
         if (s == 0) {
             st = mc_var_first_input(var, N, var->acts.x, &err);
         } else {
-            for (int64_t b = 0; b < N; b++)
-                memcpy(host + b * n * c->vae_channels, map_data + (b * T + begin - first) * c->vae_channels,
-                       (size_t)(n * c->vae_channels) * sizeof(float));
-            st = be->ops->upload(be, d_map, host, (size_t)(N * n * c->vae_channels) * sizeof(float), &err);
+            st = upload_scale(be, d_map, map_data, N, T, begin - first, n, c->vae_channels, host, &err);
             if (st == MC_OK)
                 st = mc_var_scale_input(var, s, d_map, N, 1, var->acts.x, &err);
         }
         if (st == MC_OK)
-            st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
-        for (int64_t b = 0; st == MC_OK && b < N; b++)
-            memcpy(out_data + (b * Lk + begin) * C, host + b * n * C, (size_t)(n * C) * sizeof(float));
+            st = download_scale(be, out_data, var->acts.x, N, Lk, begin, n, C, host, &err);
     }
     if (d_map != NULL)
         be->ops->release(be, d_map);
@@ -245,8 +216,8 @@ done:
     return (PyObject *)out;
 }
 
-static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config);
-static void free_policy_config(const mc_var_policy_ops *policy, void *config);
+
+MCPY_PARSE_POLICY(var, "VAR")
 
 /* One int32 array [depth, 2, N, n] per scale, every entry's rows 0..n-1:
  * the trace a policy overwrites where it runs a sublayer on fewer rows. */
@@ -283,15 +254,15 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|Op:forward_scales", keywords, &labels_obj, &inputs_obj,
                                      &cache_obj, &want_trace))
         return NULL;
-    if (self->var == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
+        return NULL;
     const mc_var_config *c = &self->var->config;
-    void *policy_config = NULL;
-    const mc_var_policy_ops *policy = NULL;
-    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
+    void *policy_config;
+    const mc_var_policy_ops *policy;
+    if (parse_policy(cache_obj, c, &policy, &policy_config) < 0)
         return NULL;
     PyArrayObject *labels = sequence_labels(self, labels_obj);
-    PyArrayObject *inputs = labels ? as_array(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
+    PyArrayObject *inputs = labels ? mcpy_array_arg(inputs_obj, NPY_FLOAT32, 3, "inputs") : NULL;
     if (inputs == NULL) {
         Py_XDECREF(labels);
         free_policy_config(policy, policy_config);
@@ -322,12 +293,9 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     mc_status st = MC_OK;
     mc_var *var = self->var;
     mc_backend *be = self->backend;
-    const int32_t *label_data = PyArray_DATA(labels);
     const float *in = PyArray_DATA(inputs);
     float *h_out = PyArray_DATA(hidden), *l_out = PyArray_DATA(logits);
-    int64_t max_rows = 0;
-    for (int s = 0; s < n_scales; s++)
-        max_rows = c->patch_nums[s] * c->patch_nums[s] > max_rows ? c->patch_nums[s] * c->patch_nums[s] : max_rows;
+    const int64_t max_rows = largest_scale_rows(c, n_scales);
     static const char no_config = 0;
     const mc_var_policy_ops *ops = policy ? policy : &mc_var_nocache_policy;
     mc_var_policy run_policy = {ops, NULL};
@@ -343,7 +311,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
         st = ops->create(var, policy ? policy_config : &no_config, &shape, &run_policy.state, &err);
     }
     if (st == MC_OK)
-        st = mc_var_condition(var, label_data, N, &err);
+        st = mc_var_condition(var, PyArray_DATA(labels), N, &err);
     for (int s = 0; s < n_scales && st == MC_OK; s++) {
         const int64_t pn = c->patch_nums[s], n = pn * pn, begin = c->scale_begin[s];
         if (!ops->scale_plan(run_policy.state, s)) {
@@ -351,24 +319,18 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
                          "skips", s, ops->schema.name);
             break;
         }
-        for (int64_t b = 0; b < N; b++)
-            memcpy(host + b * n * C, in + (b * Lk + begin) * C, (size_t)(n * C) * sizeof(float));
-        st = be->ops->upload(be, var->acts.x, host, (size_t)(N * n * C) * sizeof(float), &err);
+        st = upload_scale(be, var->acts.x, in, N, Lk, begin, n, C, host, &err);
         mc_var_scale scale = {.si = s, .n_scales = c->n_scales, .n_seq = N, .pn = pn, .tokens = n, .begin = begin,
                               .x = var->acts.x, .trace_rows = trace_data[s]};
         mc_var_transformer_stats stats = {0};
         if (st == MC_OK)
             st = ops->transformer(run_policy.state, &scale, &stats, &err);
         if (st == MC_OK)
-            st = be->ops->download(be, host, var->acts.x, (size_t)(N * n * C) * sizeof(float), &err);
-        for (int64_t b = 0; st == MC_OK && b < N; b++)
-            memcpy(h_out + (b * Lk + begin) * C, host + b * n * C, (size_t)(n * C) * sizeof(float));
+            st = download_scale(be, h_out, var->acts.x, N, Lk, begin, n, C, host, &err);
         if (st == MC_OK)
             st = mc_var_logits(var, var->acts.x, N, n, var->acts.logits, &err);
         if (st == MC_OK)
-            st = be->ops->download(be, host, var->acts.logits, (size_t)(N * n * V) * sizeof(float), &err);
-        for (int64_t b = 0; st == MC_OK && b < N; b++)
-            memcpy(l_out + (b * Lk + begin) * V, host + b * n * V, (size_t)(n * V) * sizeof(float));
+            st = download_scale(be, l_out, var->acts.logits, N, Lk, begin, n, V, host, &err);
     }
     if (run_policy.state != NULL)
         ops->free(run_policy.state);
@@ -418,47 +380,6 @@ static int var_tail_dict(PyObject *d, const void *opaque, void *ctx) {
     return rc;
 }
 
-/* The policy named by the dict's "policy" key, its config filled from the
- * rest of the dict by the policy's field table and checked against the model. */
-static const mc_var_policy_ops *parse_policy(PyObject *cache, const mc_var_config *model, void **config) {
-    *config = NULL;
-    if (!PyDict_Check(cache)) {
-        PyErr_SetString(PyExc_TypeError, "cache must be None or a dict from a marcache VAR cache policy's as_dict()");
-        return NULL;
-    }
-    PyObject *name_obj = PyDict_GetItemString(cache, "policy");
-    const char *name = name_obj && PyUnicode_Check(name_obj) ? PyUnicode_AsUTF8(name_obj) : NULL;
-    if (name == NULL) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "cache config: missing 'policy' (the policy's name)");
-        return NULL;
-    }
-    const mc_var_policy_ops *ops = mc_var_policy_find(name);
-    if (ops == NULL) {
-        PyErr_Format(PyExc_ValueError, "cache config: no VAR cache policy named '%s'", name);
-        return NULL;
-    }
-    *config = PyMem_Calloc(1, ops->schema.size);
-    if (*config == NULL) {
-        mcpy_no_memory("the cache policy's configuration", ops->schema.size);
-        return NULL;
-    }
-    mc_err err = {0};
-    if (mcpy_fill_config(cache, name, ops->schema.fields, *config, ops->schema.size, "policy") < 0 ||
-        (ops->check(*config, model, &err) != MC_OK && mcpy_raise(&err) == NULL)) {
-        mcpy_free_config(ops->schema.fields, *config);
-        PyMem_Free(*config);
-        *config = NULL;
-        return NULL;
-    }
-    return ops;
-}
-
-static void free_policy_config(const mc_var_policy_ops *policy, void *config) {
-    if (policy != NULL)
-        mcpy_free_config(policy->schema.fields, config);
-    PyMem_Free(config);
-}
 
 /* generate(labels, vqvae, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,
  * cache=None, callback=None) -> ((tokens int32 [n, L], f_hat float32 [n, side, side, Cvae]), steps) */
@@ -473,8 +394,8 @@ static PyObject *var_generate(PyVAR *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|dLdpKKOO:generate", keywords, &labels_obj, &vqvae_obj, &cfg,
                                      &top_k, &top_p, &more_smooth, &seed, &first_index, &cache_obj, &callback))
         return NULL;
-    if (self->var == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "VAR model is not loaded");
+    if (mcpy_require_loaded(self->var, "VAR model") < 0)
+        return NULL;
     if (first_index > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
     if (callback != Py_None && !PyCallable_Check(callback))
@@ -485,11 +406,11 @@ static PyObject *var_generate(PyVAR *self, PyObject *args, PyObject *kwargs) {
     if (mcpy_vqvae_borrow(vqvae_obj, &vq, &vq_backend, &vq_lock) < 0)
         return NULL;
     const mc_var_config *c = &self->var->config;
-    void *policy_config = NULL;
-    const mc_var_policy_ops *policy = NULL;
-    if (cache_obj != Py_None && (policy = parse_policy(cache_obj, c, &policy_config)) == NULL)
+    void *policy_config;
+    const mc_var_policy_ops *policy;
+    if (parse_policy(cache_obj, c, &policy, &policy_config) < 0)
         return NULL;
-    PyArrayObject *labels = as_array(labels_obj, NPY_INT32, 1, "labels");
+    PyArrayObject *labels = mcpy_array_arg(labels_obj, NPY_INT32, 1, "labels");
     if (labels == NULL) {
         free_policy_config(policy, policy_config);
         return NULL;
@@ -535,15 +456,7 @@ static PyObject *var_get_config(PyVAR *self, void *closure) {
     if (self->var == NULL)
         Py_RETURN_NONE;
     const mc_var_config *c = &self->var->config;
-    PyObject *patch_nums = PyTuple_New(c->n_scales);
-    for (int i = 0; patch_nums != NULL && i < c->n_scales; i++) {
-        PyObject *v = PyLong_FromLongLong((long long)c->patch_nums[i]);
-        if (v == NULL) {
-            Py_CLEAR(patch_nums);
-            break;
-        }
-        PyTuple_SET_ITEM(patch_nums, i, v);
-    }
+    PyObject *patch_nums = mcpy_int_tuple(c->patch_nums, c->n_scales);
     if (patch_nums == NULL)
         return NULL;
     return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:N,s:L,s:i}", "depth", (long long)c->depth, "width",
@@ -561,21 +474,6 @@ static PyObject *var_get_weight_bytes(PyVAR *self, void *closure) {
 static PyObject *var_get_num_params(PyVAR *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(self->var ? (long long)mc_var_num_params(self->var) : 0);
-}
-
-static PyObject *var_get_allocations(PyVAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->allocations : 0);
-}
-
-static PyObject *var_get_syncs(PyVAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
-}
-
-static PyObject *var_get_flops(PyVAR *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong(self->backend ? (long long)self->backend->dispatched_flops : 0);
 }
 
 static PyObject *var_get_device(PyVAR *self, void *closure) {
@@ -602,41 +500,15 @@ static PyMethodDef var_methods[] = {
 };
 
 static PyGetSetDef var_getset[] = {
-    {"config", (getter)var_get_config, NULL, "hyper-parameters read from the checkpoint", NULL},
-    {"num_params", (getter)var_get_num_params, NULL, "number of parameters (buffers excluded)", NULL},
-    {"weight_bytes", (getter)var_get_weight_bytes, NULL,
-     "bytes of backend memory the loaded weights and load-time constants hold", NULL},
-    {"backend_allocations", (getter)var_get_allocations, NULL,
-     "allocations of backend memory so far (weights, activations, KV cache, scratch growth)", NULL},
-    {"backend_syncs", (getter)var_get_syncs, NULL,
-     "host waits for the backend so far: downloads and uploads over 1 MiB (counted alike on every backend)", NULL},
-    {"backend_flops", (getter)var_get_flops, NULL,
-     "FLOPs of the GEMM and attention ops dispatched so far (ops_list.h's convention); counted on the guard "
-     "backend only, 0 elsewhere", NULL},
-    {"device", (getter)var_get_device, NULL, "the backend the model runs on", NULL},
+    MCPY_GETTER_ENTRY(var, config, "hyper-parameters read from the checkpoint"),
+    MCPY_GETTER_ENTRY(var, num_params, "number of parameters (buffers excluded)"),
+    MCPY_GETTER_ENTRY(var, weight_bytes, "bytes of backend memory the loaded weights and load-time constants hold"),
+    MCPY_BACKEND_COUNTER_GETSETS,
+    MCPY_GETTER_ENTRY(var, device, "the backend the model runs on"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject PyVAR_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "marcache._C.VAR",
-    .tp_basicsize = sizeof(PyVAR),
-    .tp_dealloc = (destructor)var_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "VAR(path, device='cpu', dtype='fp32', threads=0): a VAR transformer (var_fastvar.md Part A)",
-    .tp_methods = var_methods,
-    .tp_getset = var_getset,
-    .tp_init = (initproc)var_init,
-    .tp_new = PyType_GenericNew,
-};
+MCPY_MODEL_TYPE(var, PyVAR, "VAR",
+                "VAR(path, device='cpu', dtype='fp32', threads=0): a VAR transformer (var_fastvar.md Part A)");
 
-int mcpy_var_init(PyObject *module) {
-    if (PyType_Ready(&PyVAR_Type) < 0)
-        return -1;
-    Py_INCREF(&PyVAR_Type);
-    if (PyModule_AddObject(module, "VAR", (PyObject *)&PyVAR_Type) < 0) {
-        Py_DECREF(&PyVAR_Type);
-        return -1;
-    }
-    return 0;
-}
+int mcpy_var_init(PyObject *module) { return mcpy_add_type(module, &var_type, "VAR", NULL); }

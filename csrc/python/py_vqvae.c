@@ -18,15 +18,13 @@
  * Every call copies its inputs to the backend, runs with the GIL released
  * (one call at a time per object: the model's workspace is shared) and
  * copies the result back. */
-#include "py_numpy.h"
-#include "py_backend.h"
+#include "py_model.h"
 #include "py_vqvae.h"
 
 #include <math.h>
 #include <pythread.h>
 #include <string.h>
 
-#include "../models/vae.h" /* mc_vae_to_uint8 */
 #include "../models/vqvae.h"
 
 /* At most this many scales in patch_nums (VAR's released models have 10). */
@@ -35,34 +33,12 @@
 #define VQ_MAX_OUTPUT_SIDE 16384
 
 typedef struct {
-    PyObject_HEAD
-    mc_backend *backend;
+    MCPY_MODEL_HEAD /* the lock: one call at a time, the model's workspace is shared */
     mc_vqvae *vq;
     mc_vqvae_info info;
-    PyThread_type_lock lock;
 } VQVAEObject;
 
 /* ------------------------------------------------------------ array helpers */
-
-/* A real numeric array-like as a new C-contiguous float32 array (complex,
- * bool, object and string data refused rather than cast). */
-static PyArrayObject *float32_arg(PyObject *obj, const char *what) {
-    PyArrayObject *arr = (PyArrayObject *)PyArray_FROM_O(obj);
-    if (arr == NULL)
-        return NULL;
-    char kind = PyArray_DESCR(arr)->kind;
-    if (kind != 'f' && kind != 'i' && kind != 'u') {
-        PyErr_Format(PyExc_ValueError, "%s must be a real numeric array convertible to float32, "
-                     "got dtype kind '%c'", what, kind);
-        Py_DECREF(arr);
-        return NULL;
-    }
-    PyObject *f32 = PyArray_FromAny((PyObject *)arr, PyArray_DescrFromType(NPY_FLOAT32), 0, 0,
-                                    NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST,
-                                    NULL);
-    Py_DECREF(arr);
-    return (PyArrayObject *)f32;
-}
 
 /* An integer array-like of token ids as a new C-contiguous int32 array,
  * every id checked to be in [0, vocab). */
@@ -105,7 +81,7 @@ static PyArrayObject *token_ids_arg(PyObject *obj, int64_t vocab, const char *wh
 
 /* f_hat [B, side, side, z] as float32; *side gets its side. */
 static PyArrayObject *fhat_arg(VQVAEObject *self, PyObject *obj, int64_t *side) {
-    PyArrayObject *f_hat = float32_arg(obj, "f_hat");
+    PyArrayObject *f_hat = mcpy_float32_arg(obj, "f_hat");
     if (f_hat == NULL)
         return NULL;
     char shape[160];
@@ -157,73 +133,49 @@ static void call_release(call_buffers *cb) {
     cb->count = 0;
 }
 
-static int vq_ready(VQVAEObject *self) {
-    if (self->vq == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "VQVAE is not initialised");
-        return 0;
-    }
-    return 1;
+/* A call's GIL-free section: the GIL released (the thread state saved in
+ * `cancel`, for Ctrl-C checks), the object's lock held, and the backend
+ * buffers the call allocates (call_alloc on `cb`) released at its end. */
+typedef struct vq_call {
+    call_buffers cb;
+    mcpy_cancel_ctx cancel;
+    PyThread_type_lock lock;
+} vq_call;
+
+static void vq_call_begin(VQVAEObject *self, vq_call *call) {
+    call->cb = (call_buffers){.be = self->backend};
+    call->lock = self->lock;
+    call->cancel.thread_state = PyEval_SaveThread();
+    PyThread_acquire_lock(call->lock, WAIT_LOCK);
 }
+
+static void vq_call_end(vq_call *call) {
+    call_release(&call->cb);
+    PyThread_release_lock(call->lock);
+    PyEval_RestoreThread(call->cancel.thread_state);
+}
+
+static int vq_ready(VQVAEObject *self) { return mcpy_require_loaded(self->vq, "VQVAE") == 0; }
 
 /* --------------------------------------------------------------- lifetime */
 
-static void vq_release_model(VQVAEObject *self) {
-    mc_vqvae_free(self->vq);
-    self->vq = NULL;
-    mc_backend_destroy(self->backend);
-    self->backend = NULL;
-}
-
-static void VQVAE_dealloc(VQVAEObject *self) {
-    vq_release_model(self);
-    if (self->lock != NULL)
-        PyThread_free_lock(self->lock);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static mc_status load_vqvae(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {
-    return mc_vqvae_load(backend, file, (mc_vqvae **)model, err);
-}
-
-static int VQVAE_init(VQVAEObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "num_threads", "device", NULL};
-    const char *device = "cpu";
-    PyObject *path_bytes = NULL;
-    int num_threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|is:VQVAE", kwlist, PyUnicode_FSConverter,
-                                     &path_bytes, &num_threads, &device))
-        return -1;
-    if (num_threads < 0) {
-        Py_DECREF(path_bytes);
-        PyErr_SetString(PyExc_ValueError, "num_threads must be >= 0 (0 = all OpenMP threads)");
-        return -1;
-    }
-    if (mcpy_ensure_lock(&self->lock) < 0) {
-        Py_DECREF(path_bytes);
-        return -1;
-    }
-    vq_release_model(self); /* __init__ called again on a live object */
-
-    mc_err err = {0};
-    mc_backend *backend = NULL;
-    mc_vqvae *vq = NULL;
-    mc_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = mcpy_load_model(PyBytes_AS_STRING(path_bytes), device, num_threads, MC_WTYPE_F32,
-                         load_vqvae, &vq, &backend, &err);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(path_bytes);
-    if (st != MC_OK) {
-        mcpy_raise(&err);
-        return -1;
-    }
-    self->backend = backend;
-    self->vq = vq;
-    mc_vqvae_get_info(vq, &self->info);
-    return 0;
-}
+MCPY_PATH_MODEL(VQVAE, VQVAEObject, mc_vqvae, vq, mc_vqvae_free, mc_vqvae_load, mc_vqvae_get_info)
 
 /* ------------------------------------------------------------------ decode */
+
+/* What mcpy_decode_images' decode function gets for the VQVAE. */
+typedef struct vq_decode_ctx {
+    mc_vqvae *vq;
+    const float *f_hat; /* on the backend */
+    int64_t side, fhat_floats;
+    mcpy_cancel_ctx *cancel;
+} vq_decode_ctx;
+
+static mc_status vq_decode_some(void *opaque, int64_t first, int64_t count, float *out, mc_err *err) {
+    const vq_decode_ctx *c = opaque;
+    return mc_vqvae_decode(c->vq, c->f_hat + first * c->fhat_floats, count, c->side, out, mcpy_cancel_check,
+                           c->cancel, err);
+}
 
 static PyObject *vq_decode_impl(VQVAEObject *self, PyObject *obj, int as_uint8) {
     if (!vq_ready(self))
@@ -233,55 +185,31 @@ static PyObject *vq_decode_impl(VQVAEObject *self, PyObject *obj, int as_uint8) 
     if (f_hat == NULL)
         return NULL;
     const int64_t n = PyArray_DIM(f_hat, 0), out_side = side * self->info.upscale;
-    const int64_t image_floats = out_side * out_side * 3;
     const int64_t fhat_floats = side * side * self->info.z_channels;
     npy_intp dims[4] = {(npy_intp)n, (npy_intp)out_side, (npy_intp)out_side, 3};
     PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(4, dims, as_uint8 ? NPY_UINT8 : NPY_FLOAT32);
-    float *image = NULL;
-    if (out != NULL && as_uint8 && n > 0) {
-        image = PyMem_RawMalloc((size_t)image_floats * sizeof(float));
-        if (image == NULL)
-            mcpy_no_memory("one decoded image", (size_t)image_floats * sizeof(float));
-    }
-    if (out == NULL || (as_uint8 && n > 0 && image == NULL)) {
+    if (out == NULL) {
         Py_DECREF(f_hat);
-        Py_XDECREF(out);
         return NULL;
     }
     mc_err err = {0};
     mc_status st = MC_OK;
-    call_buffers cb = {.be = self->backend};
-    mcpy_cancel_ctx cancel = {PyEval_SaveThread()};
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    vq_call call;
+    vq_call_begin(self, &call);
+    vq_decode_ctx ctx = {self->vq, NULL, side, fhat_floats, &call.cancel};
     const size_t bytes = (size_t)(n * fhat_floats) * sizeof(float);
-    float *dev = n > 0 ? call_alloc(&cb, bytes, &err) : NULL;
+    float *dev = n > 0 ? call_alloc(&call.cb, bytes, &err) : NULL;
     if (n > 0 && dev == NULL)
         st = err.status;
     if (st == MC_OK && n > 0)
         st = self->backend->ops->upload(self->backend, dev, PyArray_DATA(f_hat), bytes, &err);
-    if (st == MC_OK && !as_uint8) {
-        st = mc_vqvae_decode(self->vq, dev, n, side, PyArray_DATA(out), mcpy_cancel_check, &cancel,
-                             &err);
-    } else if (st == MC_OK) {
-        uint8_t *pixels = PyArray_DATA(out);
-        for (int64_t i = 0; i < n && st == MC_OK; i++) {
-            st = mc_vqvae_decode(self->vq, dev + i * fhat_floats, 1, side, image, mcpy_cancel_check,
-                                 &cancel, &err);
-            if (st == MC_OK && mc_vae_to_uint8(image, image_floats, pixels + i * image_floats) != MC_OK)
-                st = mc_fail(&err, MC_ERR_NUMERIC, "VQVAE decoder output of image %lld contains NaN",
-                             (long long)i);
-        }
-    }
-    call_release(&cb);
-    PyThread_release_lock(self->lock);
-    PyEval_RestoreThread(cancel.thread_state);
-    PyMem_RawFree(image);
+    ctx.f_hat = dev;
+    if (st == MC_OK)
+        st = mcpy_decode_images(vq_decode_some, &ctx, n, out_side * out_side * 3, as_uint8, PyArray_DATA(out),
+                                "VQVAE", &err);
+    vq_call_end(&call);
     Py_DECREF(f_hat);
-    if (st != MC_OK) {
-        Py_DECREF(out);
-        return mcpy_raise(&err);
-    }
-    return (PyObject *)out;
+    return mcpy_result(st, &err, (PyObject *)out);
 }
 
 static PyObject *VQVAE_decode(VQVAEObject *self, PyObject *f_hat) { return vq_decode_impl(self, f_hat, 0); }
@@ -318,11 +246,10 @@ static PyObject *VQVAE_embed(VQVAEObject *self, PyObject *obj) {
     mc_status st = MC_OK;
     if (rows > 0) {
         mc_backend *be = self->backend;
-        call_buffers cb = {.be = be};
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        int32_t *dev_idx = call_alloc(&cb, (size_t)rows * sizeof(int32_t), &err);
-        float *dev_out = dev_idx != NULL ? call_alloc(&cb, (size_t)(rows * z) * sizeof(float), &err) : NULL;
+        vq_call call;
+        vq_call_begin(self, &call);
+        int32_t *dev_idx = call_alloc(&call.cb, (size_t)rows * sizeof(int32_t), &err);
+        float *dev_out = dev_idx != NULL ? call_alloc(&call.cb, (size_t)(rows * z) * sizeof(float), &err) : NULL;
         st = dev_out != NULL ? MC_OK : err.status;
         if (st == MC_OK)
             st = be->ops->upload(be, dev_idx, PyArray_DATA(idx), (size_t)rows * sizeof(int32_t), &err);
@@ -332,16 +259,10 @@ static PyObject *VQVAE_embed(VQVAEObject *self, PyObject *obj) {
         if (st == MC_OK)
             st = be->ops->download(be, PyArray_DATA(out), dev_out, (size_t)(rows * z) * sizeof(float),
                                    &err);
-        call_release(&cb);
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
+        vq_call_end(&call);
     }
     Py_DECREF(idx);
-    if (st != MC_OK) {
-        Py_DECREF(out);
-        return mcpy_raise(&err);
-    }
-    return (PyObject *)out;
+    return mcpy_result(st, &err, (PyObject *)out);
 }
 
 /* ------------------------------------------------------------- idx_to_fhat */
@@ -443,13 +364,12 @@ static PyObject *VQVAE_idx_to_fhat(VQVAEObject *self, PyObject *args, PyObject *
         mc_status st = MC_OK;
         if (batch > 0) {
             mc_backend *be = self->backend;
-            call_buffers cb = {.be = be};
+            vq_call call;
             const size_t fhat_bytes = (size_t)(batch * side * side * z) * sizeof(float);
-            Py_BEGIN_ALLOW_THREADS
-            PyThread_acquire_lock(self->lock, WAIT_LOCK);
-            float *f_hat = call_alloc(&cb, fhat_bytes, &err);
-            float *h = f_hat != NULL ? call_alloc(&cb, (size_t)(most_rows * z) * sizeof(float), &err) : NULL;
-            int32_t *dev_idx = h != NULL ? call_alloc(&cb, (size_t)most_rows * sizeof(int32_t), &err) : NULL;
+            vq_call_begin(self, &call);
+            float *f_hat = call_alloc(&call.cb, fhat_bytes, &err);
+            float *h = f_hat != NULL ? call_alloc(&call.cb, (size_t)(most_rows * z) * sizeof(float), &err) : NULL;
+            int32_t *dev_idx = h != NULL ? call_alloc(&call.cb, (size_t)most_rows * sizeof(int32_t), &err) : NULL;
             st = dev_idx != NULL ? MC_OK : err.status;
             /* f_hat starts at zero: the zeroed result array is the source. */
             if (st == MC_OK)
@@ -467,9 +387,7 @@ static PyObject *VQVAE_idx_to_fhat(VQVAEObject *self, PyObject *args, PyObject *
             }
             if (st == MC_OK)
                 st = be->ops->download(be, PyArray_DATA(out), f_hat, fhat_bytes, &err);
-            call_release(&cb);
-            PyThread_release_lock(self->lock);
-            Py_END_ALLOW_THREADS
+            vq_call_end(&call);
         }
         if (st != MC_OK) {
             Py_DECREF(out);
@@ -513,13 +431,12 @@ static PyObject *VQVAE_fhat_to_next(VQVAEObject *self, PyObject *args, PyObject 
     mc_status st = MC_OK;
     if (n > 0) {
         mc_backend *be = self->backend;
-        call_buffers cb = {.be = be};
+        vq_call call;
         const size_t in_bytes = (size_t)(n * side * side * z) * sizeof(float);
         const size_t out_bytes = (size_t)(n * pn * pn * z) * sizeof(float);
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        float *dev_in = call_alloc(&cb, in_bytes, &err);
-        float *dev_out = dev_in != NULL ? call_alloc(&cb, out_bytes, &err) : NULL;
+        vq_call_begin(self, &call);
+        float *dev_in = call_alloc(&call.cb, in_bytes, &err);
+        float *dev_out = dev_in != NULL ? call_alloc(&call.cb, out_bytes, &err) : NULL;
         st = dev_out != NULL ? MC_OK : err.status;
         if (st == MC_OK)
             st = be->ops->upload(be, dev_in, PyArray_DATA(f_hat), in_bytes, &err);
@@ -527,16 +444,10 @@ static PyObject *VQVAE_fhat_to_next(VQVAEObject *self, PyObject *args, PyObject 
             st = mc_vqvae_area_input(self->vq, dev_in, n, side, pn, dev_out, &err);
         if (st == MC_OK)
             st = be->ops->download(be, PyArray_DATA(out), dev_out, out_bytes, &err);
-        call_release(&cb);
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
+        vq_call_end(&call);
     }
     Py_DECREF(f_hat);
-    if (st != MC_OK) {
-        Py_DECREF(out);
-        return mcpy_raise(&err);
-    }
-    return (PyObject *)out;
+    return mcpy_result(st, &err, (PyObject *)out);
 }
 
 /* --------------------------------------------------------------- phi_index */
@@ -560,17 +471,9 @@ static PyObject *VQVAE_get_config(VQVAEObject *self, void *c) {
     if (!vq_ready(self))
         return NULL;
     const mc_vqvae_info *in = &self->info;
-    PyObject *mult = PyTuple_New((Py_ssize_t)in->num_levels);
+    PyObject *mult = mcpy_int_tuple(in->ch_mult, (Py_ssize_t)in->num_levels);
     if (mult == NULL)
         return NULL;
-    for (int64_t i = 0; i < in->num_levels; i++) {
-        PyObject *item = PyLong_FromLongLong((long long)in->ch_mult[i]);
-        if (item == NULL) {
-            Py_DECREF(mult);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(mult, (Py_ssize_t)i, item);
-    }
     return Py_BuildValue("{s:L,s:L,s:L,s:N,s:L,s:L,s:L,s:d,s:L}", "vocab", (long long)in->vocab,
                          "z_channels", (long long)in->z_channels, "ch", (long long)in->ch, "ch_mult",
                          mult, "num_res_blocks", (long long)in->num_res_blocks, "num_phi",
@@ -578,12 +481,7 @@ static PyObject *VQVAE_get_config(VQVAEObject *self, void *c) {
                          in->quant_resi, "num_params", (long long)in->num_params);
 }
 
-static PyObject *VQVAE_get_num_params(VQVAEObject *self, void *c) {
-    (void)c;
-    if (!vq_ready(self))
-        return NULL;
-    return PyLong_FromLongLong((long long)self->info.num_params);
-}
+MCPY_INFO_GETTER(VQVAE, VQVAEObject, vq, "VQVAE", num_params, PyLong_FromLongLong)
 
 static PyMethodDef VQVAE_methods[] = {
     {"decode", (PyCFunction)VQVAE_decode, METH_O,
@@ -605,28 +503,16 @@ static PyMethodDef VQVAE_methods[] = {
 };
 
 static PyGetSetDef VQVAE_getset[] = {
-    {"config", (getter)VQVAE_get_config, NULL,
-     "dict: vocab, z_channels, ch, ch_mult, num_res_blocks, num_phi, upscale, quant_resi, num_params",
-     NULL},
-    {"num_params", (getter)VQVAE_get_num_params, NULL,
-     "parameters bound (codebook, Phi convs, post_quant_conv, decoder)", NULL},
+    MCPY_GETTER_ENTRY(VQVAE, config,
+                      "dict: vocab, z_channels, ch, ch_mult, num_res_blocks, num_phi, upscale, quant_resi, num_params"),
+    MCPY_GETTER_ENTRY(VQVAE, num_params, "parameters bound (codebook, Phi convs, post_quant_conv, decoder)"),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject VQVAE_type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "marcache._C.VQVAE",
-    .tp_basicsize = sizeof(VQVAEObject),
-    .tp_dealloc = (destructor)VQVAE_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "VQVAE(path, num_threads=0, device='cpu'): VAR's multi-scale VQVAE (decode side) loaded\n"
+MCPY_MODEL_TYPE(VQVAE, VQVAEObject, "VQVAE",
+                "VQVAE(path, num_threads=0, device='cpu'): VAR's multi-scale VQVAE (decode side) loaded\n"
               "from a safetensors file in the official key layout, on device 'cpu', 'cuda',\n"
-              "'cuda:N' or 'guard'.",
-    .tp_methods = VQVAE_methods,
-    .tp_getset = VQVAE_getset,
-    .tp_init = (initproc)VQVAE_init,
-    .tp_new = PyType_GenericNew,
-};
+              "'cuda:N' or 'guard'.");
 
 int mcpy_vqvae_borrow(PyObject *obj, mc_vqvae **vq, mc_backend **backend, PyThread_type_lock *lock) {
     if (!PyObject_TypeCheck(obj, &VQVAE_type)) {
@@ -642,13 +528,4 @@ int mcpy_vqvae_borrow(PyObject *obj, mc_vqvae **vq, mc_backend **backend, PyThre
     return 0;
 }
 
-int mcpy_vqvae_init(PyObject *module) {
-    if (PyType_Ready(&VQVAE_type) < 0)
-        return -1;
-    Py_INCREF(&VQVAE_type);
-    if (PyModule_AddObject(module, "VQVAE", (PyObject *)&VQVAE_type) < 0) {
-        Py_DECREF(&VQVAE_type);
-        return -1;
-    }
-    return 0;
-}
+int mcpy_vqvae_init(PyObject *module) { return mcpy_add_type(module, &VQVAE_type, "VQVAE", NULL); }

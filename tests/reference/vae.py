@@ -58,16 +58,27 @@ def level_channels(ch, ch_mult, num_res_blocks):
 def vae_shapes(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, out_ch=3):
     """OrderedDict key -> shape of post_quant_conv + decoder, in
     state_dict order (Appendix B for the default configuration)."""
+    s = [("post_quant_conv.weight", (z, z, 1, 1)), ("post_quant_conv.bias", (z,))]
+    return OrderedDict(s + decoder_shapes(ch, ch_mult, num_res_blocks, z, out_ch, _attn_shapes, False))
+
+
+def decoder_shapes(ch, ch_mult, num_res_blocks, z, out_ch, attn_shapes, top_level_attention):
+    """[(key, shape)] of decoder.* in state_dict order: conv_in, the mid blocks, the up
+    levels (with an attention block after each ResnetBlock of the top level when
+    `top_level_attention`, as VAR's VQVAE has), norm_out and conv_out. `attn_shapes`
+    (prefix, channels) gives an attention block's tensors."""
     top = ch * ch_mult[-1]
-    s = [("post_quant_conv.weight", (z, z, 1, 1)), ("post_quant_conv.bias", (z,)),
-         ("decoder.conv_in.weight", (top, z, 3, 3)), ("decoder.conv_in.bias", (top,))]
+    s = [("decoder.conv_in.weight", (top, z, 3, 3)), ("decoder.conv_in.bias", (top,))]
     s += _resnet_shapes("decoder.mid.block_1", top, top)
-    s += _attn_shapes("decoder.mid.attn_1", top)
+    s += attn_shapes("decoder.mid.attn_1", top)
     s += _resnet_shapes("decoder.mid.block_2", top, top)
     chans = level_channels(ch, ch_mult, num_res_blocks)
-    for level in range(len(ch_mult)):
+    levels = len(ch_mult)
+    for level in range(levels):
         for b, (cin, cout) in enumerate(chans[level]):
             s += _resnet_shapes("decoder.up.%d.block.%d" % (level, b), cin, cout)
+            if top_level_attention and level == levels - 1:
+                s += attn_shapes("decoder.up.%d.attn.%d" % (level, b), cout)
         if level != 0:
             c = chans[level][-1][1]
             s += [("decoder.up.%d.upsample.conv.weight" % level, (c, c, 3, 3)),
@@ -75,7 +86,7 @@ def vae_shapes(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, out_ch=3
     bottom = ch * ch_mult[0]
     s += [("decoder.norm_out.weight", (bottom,)), ("decoder.norm_out.bias", (bottom,)),
           ("decoder.conv_out.weight", (out_ch, bottom, 3, 3)), ("decoder.conv_out.bias", (out_ch,))]
-    return OrderedDict(s)
+    return s
 
 
 def random_vae_weights(rng, ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, out_ch=3,
@@ -87,17 +98,21 @@ def random_vae_weights(rng, ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z
     shapes = vae_shapes(ch, ch_mult, num_res_blocks, z, out_ch)
     if tuple(ch_mult) == DEFAULT_CONFIG["ch_mult"] and (ch, num_res_blocks, z, out_ch) == (128, 2, 16, 3):
         assert len(shapes) == OFFICIAL_KEY_COUNT
-    out = OrderedDict()
-    for name, shape in shapes.items():
-        zn = rng.standard_normal(shape)
-        if len(shape) == 4:
-            val = scale * zn / math.sqrt(shape[1] * shape[2] * shape[3])
-        elif name.endswith(".weight"):
-            val = 1.0 + 0.05 * zn
-        else:
-            val = 0.05 * zn
-        out[name] = val.astype(np.float32)
-    return out
+    return OrderedDict((name, random_decoder_tensor(rng, name, shape, scale)) for name, shape in shapes.items())
+
+
+def random_decoder_tensor(rng, name, shape, scale=1.0):
+    """One random decoder tensor (float32): conv weights ~ N(0, scale^2 / fan_in),
+    GroupNorm weights ~ 1 + N(0, 0.05^2), biases ~ N(0, 0.05^2). The VQVAE's decoder
+    draws its tensors the same way."""
+    zn = rng.standard_normal(shape)
+    if len(shape) == 4:
+        val = scale * zn / math.sqrt(shape[1] * shape[2] * shape[3])
+    elif name.endswith(".weight"):
+        val = 1.0 + 0.05 * zn
+    else:
+        val = 0.05 * zn
+    return val.astype(np.float32)
 
 
 def vae_config(W):
@@ -105,24 +120,35 @@ def vae_config(W):
     levels = sorted({int(k.split(".")[2]) for k in W if k.startswith("decoder.up.")})
     if levels != list(range(len(levels))) or not levels:
         raise ValueError("decoder.up levels must be 0..n-1")
+    return dict(decoder_levels_config(W, levels), z=W["decoder.conv_in.weight"].shape[1],
+                out_ch=W["decoder.conv_out.weight"].shape[0])
+
+
+def decoder_levels_config(W, levels):
+    """dict(ch, ch_mult, num_res_blocks) of an LDM decoder read back from its up levels'
+    shapes (the KL-16 VAE's and the VQVAE's decoders alike)."""
     outs = [W["decoder.up.%d.block.0.conv1.weight" % L].shape[0] for L in levels]
     ch = 0
     for c in outs:
         ch = math.gcd(ch, int(c))
     nblocks = sum(1 for k in W if k.startswith("decoder.up.0.block.") and k.endswith(".norm1.weight"))
-    return dict(ch=ch, ch_mult=tuple(int(c) // ch for c in outs), num_res_blocks=nblocks - 1,
-                z=W["decoder.conv_in.weight"].shape[1], out_ch=W["decoder.conv_out.weight"].shape[0])
+    return dict(ch=ch, ch_mult=tuple(int(c) // ch for c in outs), num_res_blocks=nblocks - 1)
+
+
+def check_shapes(W, want, what):
+    """Raise unless W holds every key of `want` ({name: shape}) with that shape."""
+    for name, shape in want.items():
+        if name not in W:
+            raise KeyError("missing %s key %s" % (what, name))
+        if tuple(W[name].shape) != shape:
+            raise ValueError("%s key %s has shape %s, want %s" % (what, name, W[name].shape, shape))
 
 
 def check_keys(W):
     """Raise unless W holds exactly the keys/shapes of its configuration
     (extra keys such as encoder.* are ignored)."""
     want = vae_shapes(**vae_config(W))
-    for name, shape in want.items():
-        if name not in W:
-            raise KeyError("missing VAE key " + name)
-        if tuple(W[name].shape) != shape:
-            raise ValueError("VAE key %s has shape %s, want %s" % (name, W[name].shape, shape))
+    check_shapes(W, want, "VAE")
     extra = [k for k in W if (k.startswith("decoder.") or k.startswith("post_quant_conv."))
              and k not in want]
     if extra:

@@ -169,31 +169,12 @@ def vqvae_shapes(ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=32, vocab=
     """OrderedDict key -> shape of the decoding tensors (B5): the codebook,
     the Phi convs, post_quant_conv (3x3) and decoder.*, whose top level has
     an attention block after each of its ResnetBlocks."""
-    top = ch * ch_mult[-1]
     s = [("quantize.embedding.weight", (vocab, z))]
     for k in range(num_phi):
         s += [("quantize.quant_resi.qresi_ls.%d.weight" % k, (z, z, 3, 3)),
               ("quantize.quant_resi.qresi_ls.%d.bias" % k, (z,))]
-    s += [("post_quant_conv.weight", (z, z, 3, 3)), ("post_quant_conv.bias", (z,)),
-          ("decoder.conv_in.weight", (top, z, 3, 3)), ("decoder.conv_in.bias", (top,))]
-    s += ref_vae._resnet_shapes("decoder.mid.block_1", top, top)
-    s += _attn_shapes("decoder.mid.attn_1", top)
-    s += ref_vae._resnet_shapes("decoder.mid.block_2", top, top)
-    chans = ref_vae.level_channels(ch, ch_mult, num_res_blocks)
-    levels = len(ch_mult)
-    for level in range(levels):
-        for b, (cin, cout) in enumerate(chans[level]):
-            s += ref_vae._resnet_shapes("decoder.up.%d.block.%d" % (level, b), cin, cout)
-            if level == levels - 1:
-                s += _attn_shapes("decoder.up.%d.attn.%d" % (level, b), cout)
-        if level != 0:
-            c = chans[level][-1][1]
-            s += [("decoder.up.%d.upsample.conv.weight" % level, (c, c, 3, 3)),
-                  ("decoder.up.%d.upsample.conv.bias" % level, (c,))]
-    bottom = ch * ch_mult[0]
-    s += [("decoder.norm_out.weight", (bottom,)), ("decoder.norm_out.bias", (bottom,)),
-          ("decoder.conv_out.weight", (3, bottom, 3, 3)), ("decoder.conv_out.bias", (3,))]
-    return OrderedDict(s)
+    s += [("post_quant_conv.weight", (z, z, 3, 3)), ("post_quant_conv.bias", (z,))]
+    return OrderedDict(s + ref_vae.decoder_shapes(ch, ch_mult, num_res_blocks, z, 3, _attn_shapes, True))
 
 
 def random_vqvae_weights(rng, ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=32, vocab=4096,
@@ -203,40 +184,23 @@ def random_vqvae_weights(rng, ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2,
     ~ 1 + N(0, 0.05^2), codebook ~ N(0, 1)."""
     out = OrderedDict()
     for name, shape in vqvae_shapes(ch, ch_mult, num_res_blocks, z, vocab, num_phi).items():
-        zn = rng.standard_normal(shape)
         if name == "quantize.embedding.weight":
-            val = zn
-        elif len(shape) == 4:
-            val = scale * zn / math.sqrt(shape[1] * shape[2] * shape[3])
-        elif name.endswith(".weight"):
-            val = 1.0 + 0.05 * zn
+            out[name] = rng.standard_normal(shape).astype(np.float32)
         else:
-            val = 0.05 * zn
-        out[name] = val.astype(np.float32)
+            out[name] = ref_vae.random_decoder_tensor(rng, name, shape, scale)
     return out
 
 
 def vqvae_config(W):
     """dict(ch, ch_mult, num_res_blocks, z, vocab, num_phi) read back from the shapes."""
     levels = sorted({int(k.split(".")[2]) for k in W if k.startswith("decoder.up.")})
-    outs = [W["decoder.up.%d.block.0.conv1.weight" % L].shape[0] for L in levels]
-    ch = 0
-    for c in outs:
-        ch = math.gcd(ch, int(c))
-    nblocks = sum(1 for k in W if k.startswith("decoder.up.0.block.") and k.endswith(".norm1.weight"))
     vocab, z = W["quantize.embedding.weight"].shape
-    return dict(ch=ch, ch_mult=tuple(int(c) // ch for c in outs), num_res_blocks=nblocks - 1,
-                z=int(z), vocab=int(vocab), num_phi=count_phi(W))
+    return dict(ref_vae.decoder_levels_config(W, levels), z=int(z), vocab=int(vocab), num_phi=count_phi(W))
 
 
 def check_keys(W):
     """Raise unless W holds exactly the decoding keys/shapes of its configuration."""
-    want = vqvae_shapes(**vqvae_config(W))
-    for name, shape in want.items():
-        if name not in W:
-            raise KeyError("missing VQVAE key " + name)
-        if tuple(W[name].shape) != shape:
-            raise ValueError("VQVAE key %s has shape %s, want %s" % (name, W[name].shape, shape))
+    ref_vae.check_shapes(W, vqvae_shapes(**vqvae_config(W)), "VQVAE")
 
 
 # ==========================================================================

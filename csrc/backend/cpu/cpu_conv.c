@@ -72,6 +72,44 @@ static inline float exp_vectorizable(float x) {
 
 static inline float swish_vectorizable(float x) { return x / (1.0f + exp_vectorizable(-x)); }
 
+/* GroupNorm's per-block channel sums over blocks of MC_GN_BLOCK_PIXELS
+ * pixels: of x (center NULL) or of (x - center)^2, in double, into
+ * partial[blk * channels + c]. Block by block and channel by channel, so the
+ * inner loop is contiguous in NHWC and the sums do not depend on the thread
+ * count. */
+static void gn_block_sums(const float *xi, int64_t hw, int64_t channels, int64_t nblocks, const double *center,
+                          double *partial, int threads, int parallel) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        double *acc = partial + blk * channels;
+        for (int64_t c = 0; c < channels; c++)
+            acc[c] = 0.0;
+        int64_t p_end = (blk + 1) * MC_GN_BLOCK_PIXELS < hw ? (blk + 1) * MC_GN_BLOCK_PIXELS : hw;
+        for (int64_t p = blk * MC_GN_BLOCK_PIXELS; p < p_end; p++) {
+            const float *px = xi + p * channels;
+            if (center == NULL) {
+                for (int64_t c = 0; c < channels; c++)
+                    acc[c] += px[c];
+            } else {
+                for (int64_t c = 0; c < channels; c++) {
+                    double d = (double)px[c] - center[c];
+                    acc[c] += d * d;
+                }
+            }
+        }
+    }
+}
+
+/* The sum of gn_block_sums' partial sums over the blocks and the group's
+ * channels first..first+count-1 (blocks outer, as the passes always summed). */
+static double gn_group_sum(const double *partial, int64_t nblocks, int64_t channels, int64_t first, int64_t count) {
+    double s = 0.0;
+    for (int64_t blk = 0; blk < nblocks; blk++)
+        for (int64_t c = first; c < first + count; c++)
+            s += partial[blk * channels + c];
+    return s;
+}
+
 mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_t hw,
                            int64_t channels, int groups, const float *w, const float *b, float eps,
                            int swish, float *y, mc_err *err) {
@@ -107,48 +145,18 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
 
         /* Pass 1: per-channel sums, then group means. Summing channel by
          * channel first keeps the inner loop contiguous in NHWC. */
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
-        for (int64_t blk = 0; blk < nblocks; blk++) {
-            double *acc = partial + blk * channels;
-            for (int64_t c = 0; c < channels; c++)
-                acc[c] = 0.0;
-            int64_t p_end = (blk + 1) * MC_GN_BLOCK_PIXELS < hw ? (blk + 1) * MC_GN_BLOCK_PIXELS : hw;
-            for (int64_t p = blk * MC_GN_BLOCK_PIXELS; p < p_end; p++) {
-                const float *px = xi + p * channels;
-                for (int64_t c = 0; c < channels; c++)
-                    acc[c] += px[c];
-            }
-        }
+        gn_block_sums(xi, hw, channels, nblocks, NULL, partial, threads, parallel);
         for (int g = 0; g < groups; g++) {
-            double s = 0.0;
-            for (int64_t blk = 0; blk < nblocks; blk++)
-                for (int64_t c = g * per_group; c < (g + 1) * per_group; c++)
-                    s += partial[blk * channels + c];
+            double s = gn_group_sum(partial, nblocks, channels, g * per_group, per_group);
             for (int64_t c = g * per_group; c < (g + 1) * per_group; c++)
                 chan_mean[c] = s / count;
         }
 
         /* Pass 2: centred sum of squares (two-pass variance: no cancellation
          * for inputs with a large mean). */
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
-        for (int64_t blk = 0; blk < nblocks; blk++) {
-            double *acc = partial + blk * channels;
-            for (int64_t c = 0; c < channels; c++)
-                acc[c] = 0.0;
-            int64_t p_end = (blk + 1) * MC_GN_BLOCK_PIXELS < hw ? (blk + 1) * MC_GN_BLOCK_PIXELS : hw;
-            for (int64_t p = blk * MC_GN_BLOCK_PIXELS; p < p_end; p++) {
-                const float *px = xi + p * channels;
-                for (int64_t c = 0; c < channels; c++) {
-                    double d = (double)px[c] - chan_mean[c];
-                    acc[c] += d * d;
-                }
-            }
-        }
+        gn_block_sums(xi, hw, channels, nblocks, chan_mean, partial, threads, parallel);
         for (int g = 0; g < groups; g++) {
-            double sq = 0.0;
-            for (int64_t blk = 0; blk < nblocks; blk++)
-                for (int64_t c = g * per_group; c < (g + 1) * per_group; c++)
-                    sq += partial[blk * channels + c];
+            double sq = gn_group_sum(partial, nblocks, channels, g * per_group, per_group);
             double inv_std = 1.0 / sqrt(sq / count + (double)eps);
             for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
                 double gamma = w != NULL ? (double)w[c] : 1.0;
@@ -326,24 +334,13 @@ mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t h
     /* One GEMM per OpenMP thread (mc_cpu_sgemm runs serially inside a
      * parallel region). Chunks in a multiple of the thread count and of
      * equal size, so the static schedule is balanced. */
-    int64_t nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-    nchunks = (nchunks + threads - 1) / threads * threads;
-    if (nchunks > total_rows)
-        nchunks = total_rows;
-    rows_per_chunk = (total_rows + nchunks - 1) / nchunks;
-    nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-    if (threads > nchunks)
-        threads = (int)nchunks;
     float *cols[62] = {0};
-    for (int t = 0; t < threads && ksize > 1; t++) {
-        cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
-        if (cols[t] == NULL)
-            return err->status;
-    }
+    int64_t nchunks;
+    MC_TRY(mc_cpu_plan_chunks(be, total_rows, row_floats, &rows_per_chunk, &threads, cols, &nchunks, err));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t chunk = 0; chunk < nchunks; chunk++) {
-        int64_t row0 = chunk * rows_per_chunk;
-        int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
+        int64_t nrows;
+        int64_t row0 = mc_cpu_chunk_rows(chunk, rows_per_chunk, total_rows, &nrows);
         conv_chunk(x, height, width, cin, w, bias, cout, ksize, beta, y, row0, nrows,
                    cols[omp_get_thread_num()]);
     }

@@ -188,23 +188,29 @@ mc_status mc_cpu_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u
     return MC_OK;
 }
 
+/* Row r of src (row src_idx[r], or r when src_idx is NULL) to row r of dst
+ * (row dst_idx[r], or r): gather_rows and scatter_rows. */
+static void copy_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *src_idx, float *dst, int64_t ldd,
+                      const int32_t *dst_idx, int64_t rows, int64_t dim) {
+    (void)be;
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t from = src_idx != NULL ? (int64_t)src_idx[r] : r, to = dst_idx != NULL ? (int64_t)dst_idx[r] : r;
+        memcpy(dst + to * ldd, src + from * lds, (size_t)dim * sizeof(float));
+    }
+}
+
 mc_status mc_cpu_gather_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
                              int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err) {
-    (void)be;
     (void)err;
-#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(dst + r * ldd, src + (int64_t)idx[r] * lds, (size_t)dim * sizeof(float));
+    copy_rows(be, src, lds, idx, dst, ldd, NULL, rows, dim);
     return MC_OK;
 }
 
 mc_status mc_cpu_scatter_rows(mc_backend *be, const float *src, int64_t lds, const int32_t *idx,
                               int64_t rows, int64_t dim, float *dst, int64_t ldd, mc_err *err) {
-    (void)be;
     (void)err;
-#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(dst + (int64_t)idx[r] * ldd, src + r * lds, (size_t)dim * sizeof(float));
+    copy_rows(be, src, lds, NULL, dst, ldd, idx, rows, dim);
     return MC_OK;
 }
 

@@ -32,6 +32,41 @@ mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int
  * conv2d and conv2d_ex. */
 float mc_cpu_prefill_bias(float *y, int64_t rows, int64_t cout, int64_t ldy, const float *bias, float beta);
 
+/* Plans an im2col convolution's chunks of output rows for a static OpenMP
+ * schedule of *threads threads (conv2d, conv2d_ex): `total_rows` rows in
+ * chunks of at most *rows_per_chunk rows (>= 1), the chunk count a multiple
+ * of the thread count where the rows allow and all chunks but the last of
+ * equal size, so the schedule is balanced. Updates *rows_per_chunk, sets
+ * *nchunks, lowers *threads to it when fewer, and takes thread t's scratch
+ * (slot t) of *rows_per_chunk * floats_per_row floats into cols[t] (none
+ * when floats_per_row is 0). */
+static inline mc_status mc_cpu_plan_chunks(mc_backend *be, int64_t total_rows, int64_t floats_per_row,
+                                           int64_t *rows_per_chunk, int *threads, float **cols, int64_t *nchunks,
+                                           mc_err *err) {
+    int64_t n = (total_rows + *rows_per_chunk - 1) / *rows_per_chunk;
+    n = (n + *threads - 1) / *threads * *threads;
+    if (n > total_rows)
+        n = total_rows;
+    *rows_per_chunk = (total_rows + n - 1) / n;
+    n = (total_rows + *rows_per_chunk - 1) / *rows_per_chunk;
+    if (*threads > n)
+        *threads = (int)n;
+    *nchunks = n;
+    for (int t = 0; t < *threads && floats_per_row > 0; t++) {
+        cols[t] = mc_cpu_scratch(be, t, (size_t)(*rows_per_chunk * floats_per_row), err);
+        if (cols[t] == NULL)
+            return err->status;
+    }
+    return MC_OK;
+}
+
+/* The first row of chunk `chunk` of mc_cpu_plan_chunks' plan; *nrows gets its row count. */
+static inline int64_t mc_cpu_chunk_rows(int64_t chunk, int64_t rows_per_chunk, int64_t total_rows, int64_t *nrows) {
+    int64_t row0 = chunk * rows_per_chunk;
+    *nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
+    return row0;
+}
+
 /* Elementwise kernels shared by several ops. */
 float mc_gelu_erf(float x);
 float mc_silu(float x);

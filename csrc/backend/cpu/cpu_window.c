@@ -170,24 +170,12 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
     int64_t rows_per_chunk = (int64_t)(MC_WIN_CHUNK_FLOATS / (size_t)row_floats);
     if (rows_per_chunk < 1)
         rows_per_chunk = 1;
-    int64_t nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-    nchunks = (nchunks + threads - 1) / threads * threads;
-    if (nchunks > total_rows)
-        nchunks = total_rows;
-    rows_per_chunk = (total_rows + nchunks - 1) / nchunks;
-    nchunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
-    if (threads > nchunks)
-        threads = (int)nchunks;
     float *cols[MC_WIN_MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) {
-        cols[t] = mc_cpu_scratch(be, t, (size_t)(rows_per_chunk * row_floats), err);
-        if (cols[t] == NULL)
-            return err->status;
-    }
+    int64_t nchunks;
+    MC_TRY(mc_cpu_plan_chunks(be, total_rows, row_floats, &rows_per_chunk, &threads, cols, &nchunks, err));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t chunk = 0; chunk < nchunks; chunk++) {
-        int64_t row0 = chunk * rows_per_chunk;
-        int64_t nrows = total_rows - row0 < rows_per_chunk ? total_rows - row0 : rows_per_chunk;
+        int64_t nrows, row0 = mc_cpu_chunk_rows(chunk, rows_per_chunk, total_rows, &nrows);
         float *col = cols[omp_get_thread_num()];
         im2col_window(g, x, cin, ldx, oh, ow, row0, nrows, col);
         const int64_t pixels = nrows * ow;
@@ -212,11 +200,12 @@ static void window_span(const mc_window2d *g, int64_t oy, int64_t ox, int64_t *y
     *x1 = xs + g->kw < g->width ? xs + g->kw : g->width;
 }
 
-mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
-                            int64_t ldx, int count_include_pad, float *y, int64_t ldy,
-                            mc_err *err) {
-    MC_TRY(mc_check_window("avg_pool2d", g, 1, err));
-    MC_TRY(mc_check_pixel_strides("avg_pool2d", channels, ldx, channels, ldy, err));
+/* avg_pool2d (max = 0) and max_pool2d (max = 1): the same walk over the
+ * output pixels, each window reduced by its op. */
+static mc_status pool2d(mc_backend *be, const char *op, int max, const mc_window2d *g, const float *x,
+                        int64_t channels, int64_t ldx, int count_include_pad, float *y, int64_t ldy, mc_err *err) {
+    MC_TRY(mc_check_window(op, g, 1, err));
+    MC_TRY(mc_check_pixel_strides(op, channels, ldx, channels, ldy, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     const int64_t rows = g->batch * oh;
 #pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) \
@@ -228,6 +217,19 @@ mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x
             int64_t y0, y1, x0, x1;
             window_span(g, oy, ox, &y0, &y1, &x0, &x1);
             float *out = y + (r * ow + ox) * ldy;
+            if (max) {
+                memcpy(out, image + (y0 * g->width + x0) * ldx, (size_t)channels * sizeof(float));
+                for (int64_t iy = y0; iy < y1; iy++)
+                    for (int64_t ix = x0; ix < x1; ix++) {
+                        const float *px = image + (iy * g->width + ix) * ldx;
+                        for (int64_t c = 0; c < channels; c++) {
+                            float v = px[c];
+                            /* v > out or v is NaN: NaN wins, as in PyTorch. */
+                            out[c] = (v > out[c] || v != v) ? v : out[c];
+                        }
+                    }
+                continue;
+            }
             for (int64_t c = 0; c < channels; c++)
                 out[c] = 0.0f;
             for (int64_t iy = y0; iy < y1; iy++)
@@ -246,34 +248,15 @@ mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x
     return MC_OK;
 }
 
+mc_status mc_cpu_avg_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
+                            int64_t ldx, int count_include_pad, float *y, int64_t ldy,
+                            mc_err *err) {
+    return pool2d(be, "avg_pool2d", 0, g, x, channels, ldx, count_include_pad, y, ldy, err);
+}
+
 mc_status mc_cpu_max_pool2d(mc_backend *be, const mc_window2d *g, const float *x, int64_t channels,
                             int64_t ldx, float *y, int64_t ldy, mc_err *err) {
-    MC_TRY(mc_check_window("max_pool2d", g, 1, err));
-    MC_TRY(mc_check_pixel_strides("max_pool2d", channels, ldx, channels, ldy, err));
-    const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
-    const int64_t rows = g->batch * oh;
-#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) \
-    if (rows * ow * channels >= MC_WIN_PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t n = r / oh, oy = r % oh;
-        const float *image = x + n * g->height * g->width * ldx;
-        for (int64_t ox = 0; ox < ow; ox++) {
-            int64_t y0, y1, x0, x1;
-            window_span(g, oy, ox, &y0, &y1, &x0, &x1);
-            float *out = y + (r * ow + ox) * ldy;
-            memcpy(out, image + (y0 * g->width + x0) * ldx, (size_t)channels * sizeof(float));
-            for (int64_t iy = y0; iy < y1; iy++)
-                for (int64_t ix = x0; ix < x1; ix++) {
-                    const float *px = image + (iy * g->width + ix) * ldx;
-                    for (int64_t c = 0; c < channels; c++) {
-                        float v = px[c];
-                        /* v > out or v is NaN: NaN wins, as in PyTorch. */
-                        out[c] = (v > out[c] || v != v) ? v : out[c];
-                    }
-                }
-        }
-    }
-    return MC_OK;
+    return pool2d(be, "max_pool2d", 1, g, x, channels, ldx, 0, y, ldy, err);
 }
 
 /* -------------------------------------------------------------- TF1 resize */

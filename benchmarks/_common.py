@@ -1,0 +1,55 @@
+"""What the CPU benchmarks share: the sgemm rate measured beside the model (the
+machine's reachable GEMM peak, with the same thread pool), the machine line, the
+Markdown results table, and the optional JSON copy of the results.
+
+The benchmarks run as scripts (``python benchmarks/bench_var.py``), so this
+folder is on sys.path and they ``import _common``. marcache is imported where it is
+used: bench_builds.py's parent process times other builds and imports none."""
+import json
+import os
+import platform
+
+
+def sgemm_rate(shapes, repeats):
+    """(best GFLOP/s, {"MxNxK": GFLOP/s}) over GEMMs of the given (m, n, k) shapes
+    (nn.Linear form: rows x out x in), each timed `repeats` times by _C.sgemm_seconds."""
+    from marcache import _C
+
+    rates = {}
+    for m, n, k in shapes:
+        seconds = _C.sgemm_seconds(m, n, k, repeats)
+        rates[f"{m}x{n}x{k}"] = 2.0 * m * n * k / seconds / 1e9
+    return max(rates.values()), rates
+
+
+def print_machine(sgemm_by_shape):
+    """The machine, its BLAS and the sgemm rates by shape, as the results files quote them."""
+    import marcache as mc
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"BLAS: {mc.build_info()['blas_config']}")
+    print("sgemm GFLOP/s by shape: " + ", ".join(f"{k}: {v:.1f}" for k, v in sgemm_by_shape.items()), flush=True)
+
+
+def print_run_header(title, peak_before, peak_after):
+    """The results' heading: the run's title with the thread count, then the sgemm
+    peak measured before and after it (the larger is the machine's peak)."""
+    print()
+    print(f"{title}, threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
+    print(f"measured sgemm peak: {max(peak_before, peak_after):.1f} GFLOP/s (before {peak_before:.1f}, "
+          f"after {peak_after:.1f})")
+
+
+def print_table(header, rows):
+    """A Markdown table: `header` a list of column titles, `rows` lists of cells."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+
+
+def write_json(path, **results):
+    """The results as JSON at `path` (nothing when path is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
