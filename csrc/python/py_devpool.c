@@ -44,7 +44,7 @@ static mc_status fake_alloc(void *ctx, size_t bytes, void **out, mc_err *err) {
     fake_device *d = ctx;
     if (d->fail_next > 0) {
         d->fail_next--;
-        return mc_fail(err, MC_ERR_NOMEM, "fake device: told to refuse");
+        return mc_fail(err, MC_ERR_NOMEM, "fake device: told to refuse %llu bytes", (unsigned long long)bytes);
     }
     if (d->used + bytes > d->capacity || d->n_blocks == FAKE_BLOCKS)
         return mc_fail(err, MC_ERR_NOMEM, "fake device: %llu of %llu bytes in use",
@@ -163,7 +163,7 @@ static PyObject *devpool_script(PyObject *self, PyObject *args) {
     fake_device *dev = PyMem_Calloc(1, sizeof *dev);
     fake_owner owners[FAKE_OWNERS];
     memset(owners, 0, sizeof owners);
-    PyObject *results = dev != NULL ? PyList_New(0) : PyErr_NoMemory();
+    PyObject *results = dev != NULL ? PyList_New(0) : mcpy_no_memory("the fake device of _devpool_script", sizeof *dev);
     if (dev != NULL) {
         dev->capacity = capacity;
         dev->next_address = 0x100000;
