@@ -20,20 +20,17 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import marcache as mc
 from marcache import _C
 from reference import fastvar as RF
 from reference import var as RV
-from reference import vqvae as RVQ
 from tolerance import assert_close, scaled_atol
-from var_fixtures import write_tiny_var
+from var_fixtures import ReferenceVQ, write_var_and_vqvae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATCH_NUMS = (1, 2, 3, 4, 6, 8)
 DEPTH = 3
-VQ_CONFIG = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z=8, vocab=64, num_phi=4)
 # Near-tie window of the sampled tokens (as test_var_generate).
 TIE_TOL = 1e-4
 # The reference's selections must be this far (relative score gap at the keep boundary)
@@ -53,36 +50,15 @@ FORWARD_SETTINGS = {
 }
 
 
-class VQ:
-    """The reference's VQ update for RV/RF.generate."""
-
-    def __init__(self, W):
-        self.W = W
-        self.codebook = W["quantize.embedding.weight"]
-        self.num_phi = RVQ.count_phi(W)
-
-    def add_scale(self, f_hat, h, si, n_scales):
-        return RVQ.add_scale(self.W, f_hat, h, RVQ.phi_index(si, n_scales, self.num_phi))
-
-    def next_input(self, f_hat, pn):
-        return RVQ.resize_area(f_hat, pn, pn)
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fastvar")
-    var_path = d / "tiny_var6.safetensors"
-    W = write_tiny_var(var_path, seed=31, depth=DEPTH, patch_nums=PATCH_NUMS)
-    VQW = RVQ.random_vqvae_weights(np.random.default_rng(32), **VQ_CONFIG)
-    vq_path = d / "tiny_vqvae.safetensors"
-    save_file(dict(VQW), str(vq_path))
-    return str(var_path), W, str(vq_path), VQW
+    return write_var_and_vqvae(tmp_path_factory.mktemp("fastvar"), 31, 32, depth=DEPTH, patch_nums=PATCH_NUMS)
 
 
 @pytest.fixture(scope="module")
 def models(files):
     var_path, W, vq_path, VQW = files
-    return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, PATCH_NUMS), VQ(VQW)
+    return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, PATCH_NUMS), ReferenceVQ(VQW)
 
 
 def per_token(ref, share=1e-5):

@@ -23,45 +23,23 @@ from interrupt import call_with_sigint_pending, gil_released_during
 from reference import var as RV
 from reference import vqvae as RVQ
 from tolerance import assert_close, scaled_atol
-from var_fixtures import TINY, write_tiny_var
+from var_fixtures import TINY, TINY_VQ, ReferenceVQ, write_var_and_vqvae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Near-tie windows (see the module docstring and notes/var-model.md): logit gaps relative to
 # the threshold's size; probabilities absolute.
 TIE_TOL = 1e-4
-VQ_CONFIG = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z=8, vocab=64, num_phi=4)
-
-
-class VQ:
-    """The reference's VQ update for RV.generate."""
-
-    def __init__(self, W):
-        self.W = W
-        self.codebook = W["quantize.embedding.weight"]
-        self.num_phi = RVQ.count_phi(W)
-
-    def add_scale(self, f_hat, h, si, n_scales):
-        return RVQ.add_scale(self.W, f_hat, h, RVQ.phi_index(si, n_scales, self.num_phi))
-
-    def next_input(self, f_hat, pn):
-        return RVQ.resize_area(f_hat, pn, pn)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("var_gen")
-    var_path = d / "tiny_var.safetensors"
-    W = write_tiny_var(var_path, seed=21)
-    VQW = RVQ.random_vqvae_weights(np.random.default_rng(22), **VQ_CONFIG)
-    vq_path = d / "tiny_vqvae.safetensors"
-    save_file(dict(VQW), str(vq_path))
-    return str(var_path), W, str(vq_path), VQW
+    return write_var_and_vqvae(tmp_path_factory.mktemp("var_gen"), 21, 22)
 
 
 @pytest.fixture(scope="module")
 def models(files):
     var_path, W, vq_path, VQW = files
-    return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, TINY["patch_nums"]), VQ(VQW)
+    return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, TINY["patch_nums"]), ReferenceVQ(VQW)
 
 
 def run(models, labels, **kw):
@@ -285,7 +263,7 @@ def test_bad_generate_arguments(models, files, tmp_path):
         var.generate(labels, vq, cfg=-1.0)
     with pytest.raises(ValueError, match="n_images must be positive"):
         var.generate(np.zeros(0, np.int32), vq)
-    other = RVQ.random_vqvae_weights(np.random.default_rng(0), **dict(VQ_CONFIG, vocab=32))
+    other = RVQ.random_vqvae_weights(np.random.default_rng(0), **dict(TINY_VQ, vocab=32))
     path = tmp_path / "other_vq.safetensors"
     save_file(dict(other), str(path))
     with pytest.raises(ValueError, match=r"the VQVAE \(vocabulary 32, 8 latent channels\) does not fit the VAR "
