@@ -307,7 +307,7 @@ def test_readme_flop_numbers_are_marcache_flops():
               (mc.CfgFreeLate(after=0.8, inner=mc.FastVAR()), "var_d30", "1798.0 on d30 (47.7 %)"),
               (mc.CfgFreeLate(after=0.8), "var_d16", "406.2 GFLOP per image on d16 (68.0 %)"),
               (mc.CfgFreeLate(after=0.8), "var_d30", "2574.5 on d30 (68.4 %)"),
-              (mc.FastVAR(cache_scale=8, prune={9: 0.5}), "var_d16", "(80.5 % of the FLOPs)")]
+              (mc.FastVAR(cache_scale=8, prune={9: 0.5}), "var_d16", "it, 80.5 % of the FLOPs)")]
     for policy, name, text in claims:
         total, base = mc.flops(name, cache=policy).total, mc.flops(name).total
         assert text in readme, text
