@@ -5,7 +5,7 @@
  * the head of the late scales, the most expensive ones (13x13 and 16x16 hold
  * 63 % of VAR's FLOPs). VAR's own guidance grows with the scale (t = cfg * si /
  * (n - 1)), so the late scales are where it is strongest: what it costs in
- * quality is a measurement to make (benchmarks/fastvar_digits.py --only cfg-free).
+ * quality is measured on the digits VAR (benchmarks/results/fastvar-digits-*.md).
  *
  * It composes with another VAR policy, `inner`, which plans and runs every
  * scale as it would alone, except that the late scales reach its transformer

@@ -35,7 +35,7 @@ class CfgFreeLate:
     restores the conditional sequences from the conditional half of its cache, which
     the guided cache scale filled). Guidance grows with the scale in VAR (t = cfg *
     si / (n - 1)), so the late scales are where it is strongest: whether dropping it
-    there is acceptable is a quality measurement (benchmarks/fastvar_digits.py --only cfg-free).
+    there is acceptable is measured on the digits VAR (README, "CfgFreeLate on VAR").
     """
 
     after: float = 0.75
