@@ -12,6 +12,17 @@ with the same thread pool. The decode's FLOPs (convolutions, spec var_fastvar.md
     python benchmarks/bench_var.py                         # d16 and d30, batch 1 and 8
     python benchmarks/bench_var.py --models d16 --batches 1 # a quick look
 
+FastVAR mode (issue 16): wall-clock speed-up and FLOP ratio of each FastVAR setting
+against no pruning, every setting in the same process on the same weights, labels and
+seed, the settings alternated run by run (round r runs them all, in an order rotated by
+r), so the machine's load falls on all of them alike. The wall time is the scale loop
+(transformer, logits, sampling, VQ update; generate_tokens), not the VQVAE decode, as the
+FastVAR paper's speeds exclude the decode; the decode is timed once and shown apart (it
+is the same for every setting). FLOP ratios are the engine's telemetry (= marcache.flops).
+
+    python benchmarks/bench_var.py --fastvar --models d16 --batches 8 --rounds 2
+    python benchmarks/bench_var.py --fastvar --models d30 --batches 8 --rounds 1 --settings none default
+
 Weights are written once under benchmarks/.cache/ (d16 1.2 GB, d30 4 GB as bf16 bits,
 converted to float32 at load; the VQVAE 0.4 GB).
 """
@@ -86,34 +97,140 @@ def write_random_vqvae(path):
 SGEMM_SHAPES = [(2048, 2048, 2048), (512, 3072, 1024), (512, 4096, 1024), (512, 5760, 1920)]
 
 
+# FastVAR mode: name -> (label, policy). "none" is the baseline every ratio is taken to.
+FASTVAR_SETTINGS = {
+    "none": ("NoCache()", lambda: mc.NoCache()),
+    "default": ("FastVAR() (default = HART-like {8: 0.5, 9: 0.75})", lambda: mc.FastVAR()),
+    "infinity": ("FastVAR(prune={8: 0.4, 9: 0.5}) (Infinity's ratios)", lambda: mc.FastVAR(prune={8: 0.4, 9: 0.5})),
+    "last-0.5": ("FastVAR(prune={9: 0.5})", lambda: mc.FastVAR(prune={9: 0.5})),
+    "cache8-last-0.5": ("FastVAR(cache_scale=8, prune={9: 0.5})", lambda: mc.FastVAR(cache_scale=8, prune={9: 0.5})),
+    "skip-last": ("FastVAR(prune={}, skip_last=1)", lambda: mc.FastVAR(prune={}, skip_last=1)),
+    "cfgfree+default": ("CfgFreeLate(after=0.8, inner=FastVAR())",
+                        lambda: mc.CfgFreeLate(after=0.8, inner=mc.FastVAR())),
+}
+
+
+def model_paths(name, cache_dir):
+    """(VAR path, VQVAE path) of random weights under cache_dir, written on first use."""
+    os.makedirs(cache_dir, exist_ok=True)
+    vq_path = os.path.join(cache_dir, "vqvae_ch160_random.safetensors")
+    if not os.path.exists(vq_path):
+        print(f"writing random VQVAE weights to {vq_path} ...", flush=True)
+        write_random_vqvae(vq_path)
+    depth = DEPTHS[name]
+    path = os.path.join(cache_dir, f"var_{name}_random.safetensors")
+    if not os.path.exists(path):
+        print(f"writing random VAR-{name} weights to {path} ...", flush=True)
+        write_random_var(path, depth, bf16=depth >= 24)  # 2 bytes per weight on disk; float32 at load
+    return path, vq_path
+
+
+def load_model(name, cache_dir):
+    path, vq_path = model_paths(name, cache_dir)
+    t0 = time.perf_counter()
+    model = mc.load(path, vae=vq_path)
+    print(f"VAR-{name}: loaded in {time.perf_counter() - t0:.1f} s ({model.num_params:,} parameters)", flush=True)
+    return model
+
+
+def machine_header():
+    """Measures the sgemm rate, prints the machine header with the load average; (peak, by shape)."""
+    peak, shapes = sgemm_rate(SGEMM_SHAPES, 3)
+    print_machine(shapes)
+    print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    return peak, shapes
+
+
+def fastvar_mode(args):
+    """Every setting of args.settings against NoCache, alternated run by run (see the module doc)."""
+    names = ["none"] + [s for s in args.settings if s != "none"]
+    peak_before, _ = machine_header()
+    results = []
+    for model_name in args.models:
+        model = load_model(model_name, args.cache_dir)
+        for batch in args.batches:
+            labels = [(207 + 31 * i) % 1000 for i in range(batch)]
+            # warm-up: sizes the model's and the VQVAE's workspaces for this batch cheaply (scale 0 only)
+            model.generate_tokens(labels=labels, seed=0, cache=mc.FastVAR(prune={}, skip_last=model.num_scales - 1))
+            seconds = {n: [] for n in names}
+            flops = {}
+            tokens = {}
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for n in order:
+                    policy = FASTVAR_SETTINGS[n][1]()
+                    t, f_hat, info = model.generate_tokens(labels=labels, seed=0, cache=policy, return_info=True)
+                    expected = mc.flops(model, cfg=1.5, cache=policy, batch=batch).total
+                    assert abs(info.flops - expected) <= 1e-9 * expected, (n, info.flops, expected)
+                    seconds[n].append(info.seconds_transformer_and_head)
+                    flops[n] = info.flops
+                    tokens[n] = (t, f_hat)
+                    print(f"VAR-{model_name} batch {batch} round {r}: {n}: {info.seconds_transformer_and_head:.1f} s "
+                          f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            t0 = time.perf_counter()
+            model.decode(tokens["none"][1])
+            decode_s = time.perf_counter() - t0
+            for n in names:
+                # per round: the setting's time against the NoCache time of the same round
+                ratios = [a / b for a, b in zip(seconds["none"], seconds[n])]
+                results.append(dict(model=model_name, batch=batch, setting=n, label=FASTVAR_SETTINGS[n][0],
+                                    seconds=seconds[n], speedup_per_round=ratios,
+                                    speedup=sum(seconds["none"]) / sum(seconds[n]),
+                                    speedup_with_decode=(sum(seconds["none"]) / args.rounds + decode_s) /
+                                    (sum(seconds[n]) / args.rounds + decode_s),
+                                    flops_per_image=flops[n] / batch, flop_ratio=flops["none"] / flops[n],
+                                    gflops_per_s=flops[n] * args.rounds / sum(seconds[n]) / 1e9,
+                                    decode_seconds=decode_s))
+        del model
+    peak_after, _ = sgemm_rate(SGEMM_SHAPES, 3)
+    print()
+    print(f"FastVAR against NoCache, VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32, "
+          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}, {args.rounds} round(s) alternated; "
+          f"sgemm {peak_before:.1f} GFLOP/s before, {peak_after:.1f} after; load average at the end "
+          f"{os.getloadavg()[0]:.2f}")
+    print("| model | batch | setting | loop s/image (per round) | wall speed-up (per round) | GFLOP/image | "
+          "FLOP ratio | loop GFLOP/s | speed-up with decode |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        per_image = ", ".join(f"{s / r['batch']:.2f}" for s in r["seconds"])
+        per_round = ", ".join(f"{x:.2f}" for x in r["speedup_per_round"])
+        print(f"| VAR-{r['model']} | {r['batch']} | `{r['label']}` | {per_image} | {r['speedup']:.2f}x ({per_round}) | "
+              f"{r['flops_per_image'] / 1e9:.1f} | {r['flop_ratio']:.2f}x | {r['gflops_per_s']:.1f} | "
+              f"{r['speedup_with_decode']:.2f}x |")
+    decode = {(r["model"], r["batch"]): r["decode_seconds"] / r["batch"] for r in results}
+    print("VQVAE decode (the same for every setting), s/image: " +
+          ", ".join(f"VAR-{m} batch {b}: {s:.2f}" for (m, b), s in decode.items()))
+    print()
+    print("FLOP ratios of every setting without running (marcache.flops, per image, cfg 1.5):")
+    print("| setting | " + " | ".join(f"var_{m}" for m in sorted(DEPTHS)) + " |")
+    print("|---|" + "---|" * len(DEPTHS))
+    for n, (label, make) in FASTVAR_SETTINGS.items():
+        cells = []
+        for m in sorted(DEPTHS):
+            base, total = mc.flops(f"var_{m}", cfg=1.5).total, mc.flops(f"var_{m}", cfg=1.5, cache=make()).total
+            cells.append(f"{total / 1e9:.1f} GFLOP ({base / total:.2f}x)")
+        print(f"| `{label}` | " + " | ".join(cells) + " |")
+    write_json(args.json, sgemm_before=peak_before, sgemm_after=peak_after, rows=results)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["d16", "d30"], choices=sorted(DEPTHS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"))
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--fastvar", action="store_true", help="FastVAR mode: each setting against NoCache")
+    parser.add_argument("--settings", nargs="+", default=sorted(FASTVAR_SETTINGS), choices=sorted(FASTVAR_SETTINGS),
+                        help="FastVAR mode: the settings to run (NoCache always runs)")
+    parser.add_argument("--rounds", type=int, default=2, help="FastVAR mode: rounds of alternated runs")
     args = parser.parse_args()
+    if args.fastvar:
+        return fastvar_mode(args)
 
-    os.makedirs(args.cache_dir, exist_ok=True)
-    vq_path = os.path.join(args.cache_dir, "vqvae_ch160_random.safetensors")
-    if not os.path.exists(vq_path):
-        print(f"writing random VQVAE weights to {vq_path} ...", flush=True)
-        write_random_vqvae(vq_path)
-    peak_before, shapes = sgemm_rate(SGEMM_SHAPES, 3)
-    print_machine(shapes)
-
+    peak_before, shapes = machine_header()
     rows = []
     for name in args.models:
-        depth = DEPTHS[name]
-        bf16 = depth >= 24  # keeps the file at 2 bytes per weight; loaded as float32
-        path = os.path.join(args.cache_dir, f"var_{name}_random.safetensors")
-        if not os.path.exists(path):
-            print(f"writing random VAR-{name} weights to {path} ...", flush=True)
-            write_random_var(path, depth, bf16)
-        t0 = time.perf_counter()
-        model = mc.load(path, vae=vq_path)
-        print(f"VAR-{name}: loaded in {time.perf_counter() - t0:.1f} s ({model.num_params:,} parameters)",
-              flush=True)
+        model = load_model(name, args.cache_dir)
         model.generate_tokens(labels=[1], seed=0)  # warm-up: first allocations, page faults
         for batch in args.batches:
             labels = [(207 + 31 * i) % 1000 for i in range(batch)]

@@ -39,6 +39,11 @@ def settings_for(n_scales, depth):
                                                             layers=(1, depth - 1)),
         "{%d:0.5} + skip last" % prev: mc.FastVAR(cache_scale=cache, prune={prev: 0.5, last: 1.0}),
         "skip last": mc.FastVAR(cache_scale=cache, prune={}, skip_last=1),
+        # CfgFreeLate (guidance only before `after`), alone and composed with FastVAR
+        "cfg-free last (after %.2f)" % (last / n_scales): mc.CfgFreeLate(after=last / n_scales),
+        "cfg-free last two (after %.2f)" % (prev / n_scales): mc.CfgFreeLate(after=prev / n_scales),
+        "cfg-free last + cache %d, last {%d:0.5}" % (prev, last): mc.CfgFreeLate(
+            after=last / n_scales, inner=mc.FastVAR(cache_scale=prev, prune={last: 0.5})),
     }
 
 
@@ -53,6 +58,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=100)
     p.add_argument("--json", default=None, help="write the table here")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="run only the settings whose name contains one of these (NoCache always runs)")
     args = p.parse_args(argv)
     if not (os.path.exists(args.var) and os.path.exists(args.vqvae)):
         print("the digits VAR is not there (%s, %s): nothing measured" % (args.var, args.vqvae))
@@ -67,6 +74,8 @@ def main(argv=None):
         ",".join(map(str, c["patch_nums"])), c["depth"], labels.size, args.cfg, args.top_k, args.top_p, args.seed))
     base_flops = None
     for name, policy in settings_for(len(c["patch_nums"]), c["depth"]).items():
+        if args.only and name != "nocache" and not any(part in name for part in args.only):
+            continue
         images, seconds, flops = [], 0.0, 0.0
         for start in range(0, labels.size, args.batch):
             t0 = time.perf_counter()

@@ -18,7 +18,7 @@ Two conventions, which differ only in the adaLN modulation and word_embed:
 The difference is exactly ``(n_scales - 1) * adaln(...)`` plus the word_embed of the
 unconditional half; tests/test_var_api.py checks both sides.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FAMILY = "var"
 
@@ -126,6 +126,10 @@ def scale_flops(ctx, policy, more_smooth=False, convention="engine"):
     transformer), head, embed, adaln, smooth and total."""
     c = ctx.config
     C = c["width"]
+    # a policy may run a scale without guidance (CfgFreeLate): the conditional half alone
+    scale_cfg_on = getattr(policy, "scale_cfg_on", None)
+    if scale_cfg_on is not None and ctx.cfg_on and not scale_cfg_on(ctx):
+        ctx = replace(ctx, cfg_on=False)
     runs = getattr(policy, "runs_scale", None)
     if runs is not None and not runs(ctx.scale, ctx.n_scales):
         # a skipped scale (FastVAR's ratio 1) does no work at all (the telemetry's tokens and kv_rows are 0)

@@ -199,9 +199,21 @@ class VARModel(LoadedModel):
                          else np.zeros((labels.size, 0, z), np.float32))
         return self._var.scale_inputs(labels, np.ascontiguousarray(next_maps, np.float32))
 
-    def forward_scales(self, labels, inputs):
+    def forward_scales(self, labels, inputs, cache=None, trace=False):
         """The KV-cached scale loop on given inputs: labels int32 [B'] (num_classes = the
         null class), inputs float32 [B', L_k, C] (scales 0..k concatenated) -> (hidden
-        [B', L_k, C], logits [B', L_k, vocab]) with no guidance and no sampling."""
+        [B', L_k, C], logits [B', L_k, vocab]) with no guidance and no sampling.
+
+        cache: a VAR cache policy (None: NoCache) whose transformer runs each scale, the
+        B' sequences being one run's sequences without guidance: with
+        ``FastVAR(...)`` this is the pruned forward, scale by scale (inputs covering a
+        scale the policy skips are refused). trace=True adds a third item, per scale an
+        int32 array [depth, 2, B', pn * pn]: the rows each block's attention (0) and FFN
+        (1) ran on for each sequence, ascending, then -1 (every row where a sublayer ran
+        in full; FastVAR's kept rows where it pruned)."""
+        policy = _resolve_cache(cache, family=var_family.FAMILY)
+        if hasattr(policy, "check_model"):
+            policy.check_model(self.config)
         return self._var.forward_scales(np.ascontiguousarray(labels, np.int32),
-                                        np.ascontiguousarray(inputs, np.float32))
+                                        np.ascontiguousarray(inputs, np.float32),
+                                        cache=None if cache is None else policy.as_dict(), trace=bool(trace))

@@ -13,10 +13,7 @@ with 6 scales (1, 2, 3, 4, 6, 8; 130 tokens) and 3 blocks.
   exactly the FLOPs of the telemetry; the Python FLOP model equals the telemetry;
 - bad settings are ValueErrors naming the field.
 """
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,9 +21,8 @@ import pytest
 import marcache as mc
 from marcache import _C
 from reference import fastvar as RF
-from reference import var as RV
 from tolerance import assert_close, scaled_atol
-from var_fixtures import VQ, write_tiny_var_and_vqvae
+from var_fixtures import assert_tokens_follow, engine_and_reference, generate_on_guard_and_cpu, write_var_and_vqvae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATCH_NUMS = (1, 2, 3, 4, 6, 8)
@@ -52,14 +48,12 @@ FORWARD_SETTINGS = {
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    return write_tiny_var_and_vqvae(tmp_path_factory.mktemp("fastvar"), "tiny_var6.safetensors", 31, 32,
-                                    depth=DEPTH, patch_nums=PATCH_NUMS)
+    return write_var_and_vqvae(tmp_path_factory.mktemp("fastvar"), 31, 32, depth=DEPTH, patch_nums=PATCH_NUMS)
 
 
 @pytest.fixture(scope="module")
 def models(files):
-    var_path, W, vq_path, VQW = files
-    return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, PATCH_NUMS), VQ(VQW)
+    return engine_and_reference(files, PATCH_NUMS)
 
 
 def per_token(ref, share=1e-5):
@@ -193,10 +187,7 @@ def test_generate_matches_reference(models, setting):
     seq_labels = np.where(labels < 0, ref.num_classes, labels)
     want = RF.generate(ref, rvq, seq_labels, RF.Settings.of_policy(policy), forced_tokens=tokens, **kw)
     assert want["transformer"].min_gap > GAP_MIN
-    near = want["margins"] < TIE_TOL
-    differ = want["own_tokens"] != tokens
-    assert not (differ & ~near).any(), "tokens differ away from a near tie at %s" % np.argwhere(differ & ~near)
-    assert near.mean() < 0.05
+    assert_tokens_follow(tokens, want, TIE_TOL)
     share = 1e-5 / (0.27 * (1 - 0.95)) if kw.get("more_smooth") else 1e-5
     assert_close(f_hat, want["f_hat"], rtol=share, atol=scaled_atol(want["f_hat"], share, axis=-1),
                  what=setting + " f_hat")
@@ -282,41 +273,15 @@ def test_flops_of_the_released_models_follow_the_spec():
         assert round(got, 1) == gflop, (name, which, got)
 
 
-GUARD_CHILD = r"""
-import json, sys
-import numpy as np
-from marcache import _C
-var_path, vq_path, caches = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-out = {}
-for device in ("cpu", "guard"):
-    var, vq = _C.VAR(var_path, device=device), _C.VQVAE(vq_path, device=device)
-    runs, flops = [], []
-    for cache in caches:
-        before = var.backend_flops
-        marks = []
-        (t, f), steps = var.generate(np.array([1, 5, -1], np.int32), vq, seed=7, first_index=2, cfg=1.5,
-                                     top_k=20, top_p=0.9, cache=cache,
-                                     callback=lambda d: marks.append(var.backend_flops))
-        runs.append([t.tobytes().hex(), f.tobytes().hex()])
-        flops.append([np.diff([before] + marks).tolist(), [s["flops"] for s in steps]])
-    out[device] = {"runs": runs, "flops": flops}
-print(json.dumps({"same": out["cpu"]["runs"] == out["guard"]["runs"], "flops": out["guard"]["flops"]}))
-"""
-
-
 def test_guard_equals_cpu_and_counts_the_telemetry_flops(files):
     """On the guard backend FastVAR's tokens and f_hat equal the CPU's bit for bit, and the
     FLOPs dispatched in each scale equal that scale's telemetry exactly."""
     var_path, _, vq_path, _ = files
     caches = [mc.FastVAR(cache_scale=3, prune={4: 0.5, 5: 0.75}).as_dict(),
               mc.FastVAR(cache_scale=2, prune={4: 0.4, 5: 1.0}, layers=(1, 3)).as_dict()]
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", GUARD_CHILD, var_path, vq_path, json.dumps(caches)], cwd=HERE,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["same"]
-    for dispatched, telemetry in out["flops"]:
+    same, flops = generate_on_guard_and_cpu(var_path, vq_path, caches)
+    assert same
+    for dispatched, telemetry in flops:
         assert dispatched == telemetry
 
 

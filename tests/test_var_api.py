@@ -238,7 +238,9 @@ def test_unconditional_uses_the_null_class(model):
     (dict(labels=[1, 2], first_index=2**32 - 1), r"first_index \+ N <= 2\*\*32"),
     (dict(labels=[1], cache=mc.LazyMAR()), "LazyMAR is a cache policy for MAR models, not VAR"),
     (dict(labels=[1], cache=mc.MARche()), "MARche is a cache policy for MAR models, not VAR"),
-    (dict(labels=[1], cache=mc.CfgFreeLate()), "CfgFreeLate is a cache policy for MAR models, not VAR"),
+    # CfgFreeLate runs on VAR around NoCache or FastVAR; around a MAR policy it is a MAR policy
+    (dict(labels=[1], cache=mc.CfgFreeLate(inner=mc.LazyMAR(cond_cache=True))),
+     "CfgFreeLate is a cache policy for MAR models, not VAR"),
 ])
 def test_bad_arguments_name_the_argument(model, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,10 @@
 """Tiny VAR models in the exact official key layout (var_fastvar.md A3), written with
 the safetensors package (an independent writer) for the VAR engine tests."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -27,13 +32,32 @@ def write_tiny_var(path, seed=0, dtype=np.float32, metadata=True, buffers=True, 
     return W
 
 
-# The tiny VQVAE the generation tests pair with a tiny VAR (z = TINY's vae_channels, vocab = TINY's).
+# The tiny VQVAE the generation tests pair with the tiny VARs (vocab 64, 8 latent channels).
 TINY_VQ = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z=8, vocab=64, num_phi=4)
 
 
-class VQ:
-    """The reference's VQ update (tests/reference/vqvae.py) for the reference loops'
-    generate (RV.generate, RF.generate)."""
+def write_var_and_vqvae(directory, var_seed, vq_seed, **overrides):
+    """A tiny VAR (TINY with `overrides`) and a TINY_VQ VQVAE of random weights under
+    `directory`: (var path, VAR state dict, VQVAE path, VQVAE state dict)."""
+    var_path = os.path.join(str(directory), "tiny_var.safetensors")
+    W = write_tiny_var(var_path, seed=var_seed, **overrides)
+    VQW = RVQ.random_vqvae_weights(np.random.default_rng(vq_seed), **TINY_VQ)
+    vq_path = os.path.join(str(directory), "tiny_vqvae.safetensors")
+    save_file(dict(VQW), vq_path)
+    return var_path, W, vq_path, VQW
+
+
+def engine_and_reference(files, patch_nums):
+    """(engine VAR, engine VQVAE, float64 VAR reference, reference VQ update) of the files
+    write_var_and_vqvae wrote."""
+    from marcache import _C
+
+    var_path, W, vq_path, VQW = files
+    return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, patch_nums), ReferenceVQ(VQW)
+
+
+class ReferenceVQ:
+    """The float64 reference's VQ update, as RV.generate / RF.generate call it."""
 
     def __init__(self, W):
         self.W = W
@@ -47,12 +71,51 @@ class VQ:
         return RVQ.resize_area(f_hat, pn, pn)
 
 
-def write_tiny_var_and_vqvae(folder, var_name, var_seed, vq_seed, **var_overrides):
-    """A tiny VAR (write_tiny_var with `var_overrides`) and a TINY_VQ VQVAE written into
-    `folder`: (var path, its state dict, VQVAE path, its state dict)."""
-    var_path = folder / var_name
-    W = write_tiny_var(var_path, seed=var_seed, **var_overrides)
-    VQW = RVQ.random_vqvae_weights(np.random.default_rng(vq_seed), **TINY_VQ)
-    vq_path = folder / "tiny_vqvae.safetensors"
-    save_file(dict(VQW), str(vq_path))
-    return str(var_path), W, str(vq_path), VQW
+# A child interpreter: every cache dict of argv[3] generates 3 images (labels 1, 5 and
+# unconditional; cfg 1.5, top_k 20, top_p 0.9, seed 7, first index 2) on the CPU and on the
+# guard backend; prints whether the tokens and f_hat bytes agree and, per run, the FLOPs
+# the guard dispatched in each scale beside the telemetry's.
+_GUARD_CHILD = r"""
+import json, sys
+import numpy as np
+from marcache import _C
+var_path, vq_path, caches = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = {}
+for device in ("cpu", "guard"):
+    var, vq = _C.VAR(var_path, device=device), _C.VQVAE(vq_path, device=device)
+    runs, flops = [], []
+    for cache in caches:
+        before = var.backend_flops
+        marks = []
+        (t, f), steps = var.generate(np.array([1, 5, -1], np.int32), vq, seed=7, first_index=2, cfg=1.5,
+                                     top_k=20, top_p=0.9, cache=cache,
+                                     callback=lambda d: marks.append(var.backend_flops))
+        runs.append([t.tobytes().hex(), f.tobytes().hex()])
+        flops.append([np.diff([before] + marks).tolist(), [s["flops"] for s in steps]])
+    out[device] = {"runs": runs, "flops": flops}
+print(json.dumps({"same": out["cpu"]["runs"] == out["guard"]["runs"], "flops": out["guard"]["flops"]}))
+"""
+
+
+def generate_on_guard_and_cpu(var_path, vq_path, caches):
+    """Runs the cache dicts on the CPU and on the guard backend in a child interpreter (a
+    host read of guard memory kills it, and the test fails with its output): (whether
+    every run's tokens and f_hat are the CPU's bit for bit, [(FLOPs the guard dispatched
+    per scale, the telemetry's per scale)] per run)."""
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", _GUARD_CHILD, var_path, vq_path, json.dumps(caches)],
+                          cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["same"], out["flops"]
+
+
+def assert_tokens_follow(tokens, want, tie_tol, max_near=0.05):
+    """An engine's tokens against a reference run that followed them (forced_tokens): the
+    reference's own samples must equal them except at near ties (a decision's margin below
+    tie_tol), and near ties must stay under max_near of the tokens."""
+    near = want["margins"] < tie_tol
+    differ = want["own_tokens"] != tokens
+    assert not (differ & ~near).any(), "tokens differ away from a near tie at %s" % np.argwhere(differ & ~near)
+    assert near.mean() < max_near

@@ -24,7 +24,13 @@
  * block keeps its own K/V length, since pruned scales append fewer rows.
  * The logits of all rows, guidance, sampling and the VQ update stay the
  * sampler's. Without a pruned scale (prune all -1) this is exactly NoCache:
- * the plain transformer, no cache. */
+ * the plain transformer, no cache.
+ *
+ * An unguided scale (a composing CfgFreeLate) reaches the transformer with
+ * the conditional sequences alone, the first n_images of the run: their
+ * rows are the first of every buffer and of the cache (sequence-major), so
+ * the same code runs on fewer sequences, restoring from the conditional
+ * half of the cache. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,7 +123,8 @@ typedef struct fastvar_state {
     mc_fastvar_config cfg;
     int n_scales, layer_first, layer_stop;
     int pruning;                   /* a scale is pruned (ratio < 1): the cache is kept */
-    int64_t n_seq, width, depth;
+    int64_t n_seq, width, depth;   /* n_seq: the run's sequences, the cache's stride */
+    int64_t n_images;              /* the conditional half: the sequences of an unguided scale */
     int64_t cache_pn, cache_tokens;
     /* backend */
     float *cache;     /* [layers][2][n_seq * cache_tokens, C]: the cache scale's gamma * sublayer outputs */
@@ -166,6 +173,7 @@ static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_ru
     s->cfg = *(const mc_fastvar_config *)config;
     s->n_scales = c->n_scales;
     s->n_seq = run->n_seq;
+    s->n_images = run->n_images;
     s->width = c->width;
     s->depth = c->depth;
     s->layer_first = s->cfg.layer_first;
@@ -207,10 +215,11 @@ static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_ru
 
 static int fastvar_scale_plan(void *state, int si) {
     const fastvar_state *s = state;
-    return !is_skipped(&s->cfg, si, s->n_scales);
+    return is_skipped(&s->cfg, si, s->n_scales) ? MC_VAR_SCALE_SKIP : MC_VAR_SCALE_RUN;
 }
 
-/* The cached gamma * output of block b's sublayer `sub`: [n_seq * cache_tokens, C]. */
+/* The cached gamma * output of block b's sublayer `sub`: [n_seq * cache_tokens, C]
+ * (a scale of fewer sequences uses the first rows). */
 static float *cache_slot(const fastvar_state *s, int b, int sub) {
     return s->cache + ((int64_t)(b - s->layer_first) * 2 + sub) * s->n_seq * s->cache_tokens * s->width;
 }
@@ -220,7 +229,7 @@ static float *cache_slot(const fastvar_state *s, int b, int sub) {
 static mc_status trace_kept(fastvar_state *s, const mc_var_scale *scale, int b, int sub, int64_t keep,
                             mc_err *err) {
     mc_backend *be = s->var->backend;
-    const int64_t S = s->n_seq, n = scale->tokens;
+    const int64_t S = scale->n_seq, n = scale->tokens;
     MC_TRY(be->ops->download(be, s->trace_host, s->kept, (size_t)(S * keep) * sizeof(int32_t), err));
     for (int64_t q = 0; q < S; q++) {
         int32_t *row = scale->trace_rows + (((int64_t)b * 2 + sub) * S + q) * n;
@@ -237,7 +246,7 @@ static mc_status pruned_sublayer(fastvar_state *s, const mc_var_scale *scale, in
     mc_var *var = s->var;
     mc_backend *be = var->backend;
     const mc_ops *ops = be->ops;
-    const int64_t S = s->n_seq, n = scale->tokens, C = s->width;
+    const int64_t S = scale->n_seq, n = scale->tokens, C = s->width;
     float *x = scale->x;
     MC_TRY(ops->pivotal_rows(be, x, C, S, n, C, keep, s->kept, err));
     MC_TRY(ops->gather_rows(be, x, C, s->kept, S * keep, C, s->kept_x, C, err));
@@ -259,7 +268,7 @@ static mc_status pruned_sublayer(fastvar_state *s, const mc_var_scale *scale, in
 static mc_status cached_sublayer(fastvar_state *s, const mc_var_scale *scale, int b, int sub, mc_err *err) {
     mc_var *var = s->var;
     mc_backend *be = var->backend;
-    const int64_t S = s->n_seq, n = scale->tokens, C = s->width;
+    const int64_t S = scale->n_seq, n = scale->tokens, C = s->width;
     float *x = scale->x, *slot = cache_slot(s, b, sub);
     if (sub == FASTVAR_ATTN)
         MC_TRY(mc_var_attn_sublayer(var, b, x, S, n, s->kv_used[b], slot, MC_VAR_OUT_SET, err));
@@ -274,10 +283,11 @@ static mc_status fastvar_transformer(void *state, const mc_var_scale *scale, mc_
     mc_var *var = s->var;
     const mc_var_config *c = &var->config;
     const int si = scale->si;
-    const int64_t S = s->n_seq, n = scale->tokens;
-    if (scale->n_seq != S || n != c->patch_nums[si] * c->patch_nums[si])
-        return mc_fail(err, MC_ERR_INTERNAL, "FastVAR: scale %d with %lld sequences of %lld rows, created for %lld",
-                       si, (long long)scale->n_seq, (long long)n, (long long)S);
+    const int64_t S = scale->n_seq, n = scale->tokens;
+    if ((S != s->n_seq && S != s->n_images) || n != c->patch_nums[si] * c->patch_nums[si])
+        return mc_fail(err, MC_ERR_INTERNAL, "FastVAR: scale %d with %lld sequences of %lld rows, created for %lld "
+                       "(or their conditional %lld)", si, (long long)S, (long long)n, (long long)s->n_seq,
+                       (long long)s->n_images);
     if (!s->pruning) /* nothing is pruned: NoCache exactly */
         return mc_var_plain_transformer(var, scale, stats, err);
     const int pruned = is_pruned(&s->cfg, si), caching = si == s->cfg.cache_scale;

@@ -44,7 +44,7 @@ static mc_status var_nocache_create(mc_var *var, const void *config, const mc_va
 
 static int var_nocache_scale_plan(void *state, int si) {
     (void)state, (void)si;
-    return 1;
+    return MC_VAR_SCALE_RUN;
 }
 
 static mc_status var_nocache_transformer(void *state, const mc_var_scale *scale, mc_var_transformer_stats *stats,

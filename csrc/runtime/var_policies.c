@@ -7,6 +7,7 @@
 const mc_var_policy_ops *const mc_var_policies[] = {
     &mc_var_nocache_policy,
     &mc_var_fastvar_policy,
+    &mc_var_cfgfree_policy,
     NULL,
 };
 

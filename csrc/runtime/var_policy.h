@@ -4,9 +4,13 @@
  *
  *   create       before the loop: the policy's state for this run (the model's
  *                activations and KV cache are already sized for the run)
- *   scale_plan   per scale: run it or skip it. Only trailing scales may be
- *                skipped (FastVAR's ratio 1: the f_hat so far is decoded as is);
- *                the sampler refuses a plan that runs a scale after a skip
+ *   scale_plan   per scale: run it, run it without guidance, or skip it
+ *                (mc_var_scale_mode). Only trailing scales may be skipped
+ *                (FastVAR's ratio 1: the f_hat so far is decoded as is), and
+ *                only trailing scales may run unguided (CfgFreeLate: the
+ *                unconditional sequences stop, so their K/V stop growing);
+ *                the sampler refuses a plan that runs a scale after a skip or
+ *                a guided scale after an unguided one
  *   transformer  per run scale: every block on the scale's input rows, leaving
  *                the last block's output of every row in scale->x and the rows'
  *                K/V in the model's KV cache (the plain blocks for NoCache;
@@ -27,6 +31,14 @@
 #include "../models/var.h"
 #include "config_fields.h"
 
+/* What scale_plan says of a scale. */
+typedef enum mc_var_scale_mode {
+    MC_VAR_SCALE_SKIP = 0,     /* not run (and neither is any later scale) */
+    MC_VAR_SCALE_RUN = 1,      /* run as the sampler would: both CFG halves when the run has CFG */
+    MC_VAR_SCALE_UNGUIDED = 2, /* run the conditional sequences alone and sample their logits
+                                  unguided (t = 0); every later scale run is unguided too */
+} mc_var_scale_mode;
+
 /* The run a policy is created for. */
 typedef struct mc_var_run_shape {
     int64_t n_images; /* B */
@@ -37,7 +49,8 @@ typedef struct mc_var_run_shape {
 /* One scale's transformer input as the sampler knows it. */
 typedef struct mc_var_scale {
     int si, n_scales;
-    int64_t n_seq;  /* B' */
+    int64_t n_seq;  /* B' of the run; B (the conditional half, the first B sequences of every
+                       buffer and of the KV cache) at an unguided scale */
     int64_t pn;     /* side of the token map */
     int64_t tokens; /* pn * pn rows per sequence */
     int64_t begin;  /* the scale's first token in the L-token sequence (= the plain KV length before it) */
@@ -69,7 +82,7 @@ typedef struct mc_var_policy_ops {
     /* Cross-field and model-dependent checks of a filled config. */
     mc_status (*check)(const void *config, const mc_var_config *model, mc_err *err);
     mc_status (*create)(mc_var *var, const void *config, const mc_var_run_shape *run, void **state, mc_err *err);
-    /* 1: run scale si; 0: skip it (and, necessarily, every later scale). */
+    /* An mc_var_scale_mode: run scale si, run it unguided, or skip it. */
     int (*scale_plan)(void *state, int si);
     mc_status (*transformer)(void *state, const mc_var_scale *scale, mc_var_transformer_stats *stats, mc_err *err);
     size_t (*cache_bytes)(const void *state);
@@ -97,6 +110,12 @@ const mc_config_schema *mc_var_policy_schema(const char *name);
 
 extern const mc_var_policy_ops mc_var_nocache_policy;
 extern const mc_var_policy_ops mc_var_fastvar_policy;
+extern const mc_var_policy_ops mc_var_cfgfree_policy;
+
+/* The ops table of a schema found by mc_var_policy_schema (its first member). */
+static inline const mc_var_policy_ops *mc_var_policy_of(const mc_config_schema *schema) {
+    return (const mc_var_policy_ops *)(const void *)schema;
+}
 
 /* The plain transformer of a scale (every block on every row, K/V appended
  * after the scales before it): what NoCache runs at every scale, and what a

@@ -24,6 +24,7 @@ struct mc_var_run {
     int cfg_on, n_scales;
     mc_var_policy policy;
     int skipping;           /* a scale was skipped: every later one must be */
+    int unguided;           /* a scale ran unguided: every later one must (the uncond K/V stopped) */
     int scales_run;
     /* host */
     int32_t *seq_labels;    /* [S] class rows of the sequences (null class for the CFG half) */
@@ -173,6 +174,7 @@ static mc_status run_begin(void *opaque, int *num_steps, mc_err *err) {
     const size_t f_hat_bytes = (size_t)(B * r->side * r->side * r->Cvae) * sizeof(float);
     *num_steps = r->n_scales;
     r->skipping = 0;
+    r->unguided = 0;
     r->scales_run = 0;
     MC_TRY(mc_var_reserve(var, r->S, r->max_tokens, err));
     r->d_tokens = run_alloc(r, r->be, (size_t)(L * B) * sizeof(int32_t), err);
@@ -236,22 +238,30 @@ static mc_status run_step(void *opaque, int si, mc_step_header *header, const vo
     mc_backend *be = r->be;
     const mc_ops *ops = be->ops;
     const mc_var_config *c = &var->config;
-    const int64_t B = r->B, S = r->S, V = r->V, Cvae = r->Cvae;
+    const int64_t B = r->B, V = r->V, Cvae = r->Cvae;
     const int64_t pn = c->patch_nums[si], n = pn * pn, begin = c->scale_begin[si];
     const mc_var_policy *policy = &r->policy;
+    const int plan = policy->ops->scale_plan(policy->state, si);
+    /* An unguided scale of a run with CFG runs the conditional half alone: the
+     * first B sequences of every buffer and of the KV cache. */
+    const int guided = r->cfg_on && plan != MC_VAR_SCALE_UNGUIDED;
+    const int64_t S = guided ? r->S : B;
     r->tail = (mc_var_step_tail){.scale = si, .patch = pn, .sequences = S, .depth = c->depth};
     *tail = &r->tail;
     header->full = 1;
     header->cache_bytes = (int64_t)policy->ops->cache_bytes(policy->state);
-    const int run = policy->ops->scale_plan(policy->state, si);
-    if (run && r->skipping)
+    if (plan != MC_VAR_SCALE_SKIP && r->skipping)
         return mc_fail(err, MC_ERR_INTERNAL, "VAR policy '%s' runs scale %d after skipping an earlier one (only "
                        "trailing scales may be skipped)", policy->ops->schema.name, si);
-    if (!run) {
+    if (plan == MC_VAR_SCALE_SKIP) {
         r->skipping = 1;
         r->tail.skipped = 1;
         return MC_OK;
     }
+    if (guided && r->unguided)
+        return mc_fail(err, MC_ERR_INTERNAL, "VAR policy '%s' guides scale %d after an unguided one (only "
+                       "trailing scales may run unguided)", policy->ops->schema.name, si);
+    r->unguided = r->cfg_on && !guided;
     double flops = 0.0;
     float *x = var->acts.x;
     if (si == 0) {
@@ -260,7 +270,7 @@ static mc_status run_step(void *opaque, int si, mc_step_header *header, const vo
         flops += mc_var_flops_conditioning(c, S);
         MC_TRY(mc_var_first_input(var, S, x, err));
     } else {
-        MC_TRY(mc_var_scale_input(var, si, r->d_next, B, r->cfg_on ? 2 : 1, x, err));
+        MC_TRY(mc_var_scale_input(var, si, r->d_next, B, guided ? 2 : 1, x, err));
         flops += mc_var_flops_scale_input(c, B, n);
     }
     mc_var_scale scale = {.si = si, .n_scales = r->n_scales, .n_seq = S, .pn = pn, .tokens = n, .begin = begin,
@@ -275,11 +285,11 @@ static mc_status run_step(void *opaque, int si, mc_step_header *header, const vo
     /* Guided logits (1 + t) c - t u (A4 step 3), written over the
      * unconditional rows: a = float32(1 + t), b = -float32(t), as torch
      * rounds the Python scalars; the products and their sum are float32. */
-    const double ratio = scale_ratio(si, r->n_scales), t = r->cfg_on ? r->args.cfg * ratio : 0.0;
-    float *guided = logits;
-    if (r->cfg_on) {
-        guided = logits + B * n * V;
-        MC_TRY(ops->axpby(be, (float)(1.0 + t), logits, V, -(float)t, guided, V, B * n, V, err));
+    const double ratio = scale_ratio(si, r->n_scales), t = guided ? r->args.cfg * ratio : 0.0;
+    float *guided_logits = logits;
+    if (guided) {
+        guided_logits = logits + B * n * V;
+        MC_TRY(ops->axpby(be, (float)(1.0 + t), logits, V, -(float)t, guided_logits, V, B * n, V, err));
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < n; i++) {
@@ -289,14 +299,14 @@ static mc_status run_step(void *opaque, int si, mc_step_header *header, const vo
     MC_TRY(ops->upload(be, r->d_images, r->images, (size_t)(B * n) * sizeof(uint32_t), err));
     MC_TRY(ops->upload(be, r->d_positions, r->positions, (size_t)(B * n) * sizeof(uint32_t), err));
     int32_t *tokens = r->d_tokens + begin * B;
-    MC_TRY(ops->sample_tokens(be, guided, V, B * n, V, r->args.top_k, (float)r->args.top_p, r->args.seed,
+    MC_TRY(ops->sample_tokens(be, guided_logits, V, B * n, V, r->args.top_k, (float)r->args.top_p, r->args.seed,
                               (uint32_t)si, r->d_images, r->d_positions, tokens, err));
     if (!r->args.more_smooth) {
         MC_TRY(ops->gather_rows(be, r->codebook, Cvae, tokens, B * n, Cvae, r->d_h, Cvae, err));
     } else {
         /* A6: softmax((masked logits * (1 + ratio) + g) / tau) @ codebook. */
         const double tau = fmax(0.27 * (1.0 - 0.95 * ratio), 0.005);
-        MC_TRY(ops->gumbel_softmax(be, guided, V, B * n, V, (float)(1.0 + ratio), (float)tau, r->args.seed,
+        MC_TRY(ops->gumbel_softmax(be, guided_logits, V, B * n, V, (float)(1.0 + ratio), (float)tau, r->args.seed,
                                    (uint32_t)si, r->d_images, r->d_positions, r->d_probs, V, err));
         MC_TRY(ops->gemm(be, 0, 0, B * n, Cvae, V, 1.0f, r->d_probs, V, r->codebook, Cvae, 0.0f, r->d_h, Cvae, err));
         flops += mc_var_flops_smooth(c, B * n);

@@ -1,7 +1,7 @@
 /* The VAR scale loop (var_fastvar.md A4) as a user of the generation driver
  * (driver.h): one driver step per scale. Per scale: the scale's input ->
  * the policy's transformer -> logits of every row -> guidance t = cfg * si /
- * (n_scales - 1) -> sample_tokens (Philox keyed by image index and token
+ * (n_scales - 1) (none at a scale the policy runs unguided) -> sample_tokens (Philox keyed by image index and token
  * position) -> codebook rows (or, with more_smooth, Gumbel probabilities times
  * the codebook) -> f_hat += Phi(bicubic(h)) -> the next scale's input (area
  * resize of f_hat). Randomness is keyed by (image, position), so an image is
@@ -22,14 +22,14 @@ typedef struct mc_var_step_tail {
     int64_t patch;         /* pn */
     int64_t tokens;        /* tokens per image sampled at this scale (0 when skipped) */
     int skipped;           /* the policy skipped the scale (a trailing one) */
-    int64_t sequences;     /* B' sequences through the transformer */
+    int64_t sequences;     /* sequences through the transformer: B' (B at an unguided scale) */
     int64_t kv_rows;       /* K/V rows per sequence after the scale */
     int64_t sublayer_rows; /* rows run, summed over sublayers, blocks and sequences */
     int64_t depth;         /* blocks (entries of block_rows) */
     const int64_t *block_rows; /* [depth][2] rows per sequence of each block's attention and FFN
                                   (the policy's, valid during the step's telemetry); NULL: `tokens`
                                   for every one (0 when skipped) */
-    double guidance;       /* t of the guided logits (1 + t) c - t u; 0 without CFG */
+    double guidance;       /* t of the guided logits (1 + t) c - t u; 0 without CFG or unguided */
 } mc_var_step_tail;
 
 typedef struct mc_var_generate_args {

@@ -24,6 +24,13 @@ stop) or None for every block; skip_last. Per run:
 Blocks outside the layer range run in full at every scale.
 
 Without any pruned scale the run is the plain VAR loop.
+
+Composition with CfgFreeLate (the seams issue's guidance-free late steps, here scales):
+with `cfg_free_after` = a, scale si of n runs guidance-free when si >= a * n (and the
+run has CFG): the conditional sequences alone (the first B) through the transformer,
+whose later K/V then hold the conditional rows only, and the tokens sampled from their
+logits without guidance. Everything else, pruning included, is unchanged: a pruned
+guidance-free scale restores from the conditional sequences' cached outputs.
 """
 import math
 
@@ -131,10 +138,20 @@ class FastVARTransformer:
         self.model = model
         self.settings = settings
         _, self.mods, self.head_mod = model.condition(labels)
+        self.n_seq = len(labels)
         self.kv = [None] * model.depth
         self.cache = {}   # (block, sublayer) -> [S, pc * pc, C]
         self.trace = {}   # si -> {(block, sublayer): [S, K] kept rows}
         self.min_gap = np.inf
+
+    def keep_first(self, S):
+        """From now on only the first S sequences run (the conditional half, once guidance
+        stops): their conditioning, K/V and cached outputs are kept, the others dropped."""
+        self.n_seq = S
+        self.mods = [[m[:S] for m in mod] for mod in self.mods]
+        self.head_mod = tuple(h[:S] for h in self.head_mod)
+        self.kv = [None if kv is None else (kv[0][:S], kv[1][:S]) for kv in self.kv]
+        self.cache = {key: out[:S] for key, out in self.cache.items()}
 
     def _append(self, i, k, v):
         kv = self.kv
@@ -166,6 +183,8 @@ class FastVARTransformer:
         m, st = self.model, self.settings
         x = RV.f64(x)
         S, n, _ = x.shape
+        if S < self.n_seq:
+            self.keep_first(S)
         pn = m.patch_nums[si]
         pruned, caching = st.pruning and st.pruned(si), st.pruning and si == st.cache_scale
         keep = keep_count(n, st.prune[si]) if pruned else n
@@ -210,11 +229,19 @@ def forward_scales(model, settings, labels, inputs):
     return np.concatenate(hidden, 1), np.concatenate(logits, 1), t
 
 
+def guided_scale(cfg, si, n_scales, cfg_free_after=None):
+    """Whether scale si runs both CFG halves: the run has CFG (cfg != 0) and, composed
+    with CfgFreeLate(after=a), si < a * n_scales."""
+    return cfg != 0 and not (cfg_free_after is not None and si >= cfg_free_after * n_scales)
+
+
 def generate(model, vq, labels, settings, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0,
-             first_index=0, forced_tokens=None):
+             first_index=0, forced_tokens=None, cfg_free_after=None):
     """RV.generate's loop (A4, A6, marcache's Philox draws) with the FastVAR
-    transformer and its skipped scales (their tokens -1, no VQ update). Returns RV's
-    dict plus "transformer" (the FastVARTransformer, its traces and min_gap)."""
+    transformer and its skipped scales (their tokens -1, no VQ update), and with
+    cfg_free_after (CfgFreeLate's `after`) the late scales guidance-free. Returns RV's
+    dict plus "transformer" (the FastVARTransformer, its traces and min_gap) and
+    "sequences" (sequences run per scale)."""
     labels = np.asarray(labels)
     B, n_scales, side = labels.size, len(model.patch_nums), model.patch_nums[-1]
     cfg_on = cfg != 0
@@ -226,24 +253,26 @@ def generate(model, vq, labels, settings, cfg=1.5, top_k=900, top_p=0.96, more_s
     tokens = np.full((B, model.L), -1, np.int64)
     own = np.full((B, model.L), -1, np.int64)
     margins = np.full((B, model.L), np.inf)
-    out_guided, out_logits = [], []
+    out_guided, out_logits, sequences = [], [], []
     next_map = None
     images = first_index + np.arange(B)
     for si, pn in enumerate(model.patch_nums):
         if settings.skipped(si, n_scales):
             break
         n, begin = pn * pn, model.begin[si]
+        both = guided_scale(cfg, si, n_scales, cfg_free_after)
         if si == 0:
-            x = model.first_input(cond)
+            x = model.first_input(cond if both else cond[:B])
         else:
             x = model.scale_input(si, next_map.reshape(B, n, -1))
-            if cfg_on:
+            if both:
                 x = np.concatenate([x, x], 0)
         x = t.scale(si, x)
+        sequences.append(x.shape[0])
         logits = model.logits(x, t.head_mod)
         out_logits.append(logits)
         g = RV.guidance(cfg, si, n_scales)
-        guided = (1 + g) * logits[:B] - g * logits[B:] if cfg_on else logits[:B]
+        guided = (1 + g) * logits[:B] - g * logits[B:] if both else logits[:B]
         out_guided.append(guided)
         positions = begin + np.arange(n)
         u = RV.sample_uniforms(seed, images[:, None], positions[None, :], si)
@@ -266,7 +295,7 @@ def generate(model, vq, labels, settings, cfg=1.5, top_k=900, top_p=0.96, more_s
         if si + 1 < n_scales:
             next_map = vq.next_input(f_hat, model.patch_nums[si + 1])
     return {"tokens": tokens, "own_tokens": own, "margins": margins, "f_hat": f_hat, "guided": out_guided,
-            "logits": out_logits, "transformer": t}
+            "logits": out_logits, "transformer": t, "sequences": sequences}
 
 
 # ------------------------------------------------------------------------------------------
