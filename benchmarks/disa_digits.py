@@ -28,6 +28,12 @@ def policies():
         "LazyMAR+DiSA 50-5": mc.DiSA(inner=mc.LazyMAR()),
         "LazyMAR+DiSA 25-5": mc.DiSA(start=25, end=5, inner=mc.LazyMAR()),
         "MARche+DiSA 50-5": mc.DiSA(inner=mc.MARche(head_cache=True)),
+        # LazyMAR's head cache reuses block outputs between adjacent diffusion steps, which
+        # lie far apart in a 5-to-50-step respacing: without it the compositions keep quality
+        "LazyMAR(no head cache)+DiSA 50-5": mc.DiSA(inner=mc.LazyMAR(head_cache=False)),
+        "LazyMAR(no head cache)+DiSA 25-5": mc.DiSA(start=25, end=5, inner=mc.LazyMAR(head_cache=False)),
+        "LazyMAR(no head cache)+DiSA 10-2": mc.DiSA(start=10, end=2, inner=mc.LazyMAR(head_cache=False)),
+        "MARche+DiSA 25-5": mc.DiSA(start=25, end=5, inner=mc.MARche()),
     }
 
 
