@@ -122,10 +122,10 @@ def test_out_of_memory_twice_is_memory_error_naming_the_bytes_and_the_pool():
                        ("alloc", 0, 1000000), ("stats", 0)])
     msg = r[4]
     assert isinstance(msg, str), msg
-    assert ("out of device memory for 1000000 bytes (%d with rounding)" % class_bytes(1000000)
-            in msg)
+    assert msg.startswith("cannot allocate a _devpool_script block on device 0, a 1000000-byte request rounded up "
+                          "to its size class (%d bytes, 1.0 MiB): " % class_bytes(1000000)), msg
     assert "%d bytes in 1 blocks are in use by the 2 model(s)" % (3 * MiB) in msg
-    assert "fake device: told to refuse" in msg  # the device's own reason
+    assert "the fake device was told to refuse it" in msg  # the device's own reason
     assert r[5]["in_use_blocks"] == 1 and r[5]["trims"] == 1
 
 

@@ -2,6 +2,7 @@
 #include "devpool.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -57,15 +58,20 @@ size_t mc_devpool_class_bytes(size_t bytes) {
     return (bytes + step - 1) / step * step;
 }
 
-static int grow(pool_block **array, size_t *capacity, size_t need) {
+/* 0 with err set (the list that could not grow, and to how many bytes). */
+static int grow(pool_block **array, size_t *capacity, size_t need, const char *which, int device, mc_err *err) {
     if (*capacity >= need)
         return 1;
     size_t cap = *capacity > 0 ? *capacity : 64;
-    while (cap < need)
+    while (cap < need && cap <= SIZE_MAX / 2)
         cap *= 2;
-    pool_block *grown = realloc(*array, cap * sizeof **array);
-    if (grown == NULL)
+    size_t bytes;
+    pool_block *grown = cap < need || mc_mul_overflows(cap, sizeof **array, &bytes) ? NULL : realloc(*array, bytes);
+    if (grown == NULL) {
+        mc_fail_nomem_n(err, cap, sizeof **array, "the %s block list of device %d's memory pool (%zu entries)", which,
+                        device, cap);
         return 0;
+    }
     *array = grown;
     *capacity = cap;
     return 1;
@@ -130,8 +136,7 @@ mc_status mc_devpool_join(const mc_devpool_raw *raw, void *raw_ctx, int device,
     *out = NULL;
     mc_devpool_owner *owner = calloc(1, sizeof *owner);
     if (owner == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "device memory pool: cannot allocate an owner (%zu bytes)",
-                       sizeof *owner);
+        return mc_fail_nomem(err, sizeof *owner, "an owner of the device memory pool");
     owner->ops = ops;
     owner->ctx = owner_ctx;
     owner->queried_in = UINT64_MAX;
@@ -145,9 +150,7 @@ mc_status mc_devpool_join(const mc_devpool_raw *raw, void *raw_ctx, int device,
             pthread_mutex_unlock(&registry_lock);
             free(pool);
             free(owner);
-            return mc_fail(err, MC_ERR_NOMEM,
-                           "device memory pool of device %d: cannot create it (%zu bytes)", device,
-                           sizeof *pool);
+            return mc_fail_nomem(err, sizeof *pool, "the device memory pool of device %d", device);
         }
         pool->raw = raw;
         pool->raw_ctx = raw_ctx;
@@ -207,23 +210,19 @@ void mc_devpool_leave(mc_devpool_owner *owner) {
     free(owner);
 }
 
-void *mc_devpool_alloc(mc_devpool_owner *owner, size_t bytes, mc_err *err) {
+void *mc_devpool_alloc(mc_devpool_owner *owner, size_t bytes, const char *what, mc_err *err) {
     mc_devpool *pool = owner->pool;
     const size_t class_bytes = mc_devpool_class_bytes(bytes);
     if (class_bytes == 0) {
-        mc_fail(err, MC_ERR_NOMEM, "device %d: cannot allocate %zu bytes of device memory",
-                pool->device, bytes);
+        mc_fail_nomem(err, bytes, "%s on device %d (no size class holds it)", what, pool->device);
         return NULL;
     }
     pthread_mutex_lock(&pool->lock);
     pool->calls++;
     /* Room to record the block now, and to cache it at its free later. */
-    if (!grow(&pool->used, &pool->cap_used, pool->n_used + 1) ||
-        !grow(&pool->cached, &pool->cap_cached, pool->n_used + pool->n_cached + 1)) {
+    if (!grow(&pool->used, &pool->cap_used, pool->n_used + 1, "in-use", pool->device, err) ||
+        !grow(&pool->cached, &pool->cap_cached, pool->n_used + pool->n_cached + 1, "cached", pool->device, err)) {
         pthread_mutex_unlock(&pool->lock);
-        mc_fail(err, MC_ERR_NOMEM,
-                "device %d: no host memory for the device pool's block list (%zu blocks)",
-                pool->device, pool->n_used + pool->n_cached + 1);
         return NULL;
     }
     /* The owner's own blocks first (no query needed), then the others'. */
@@ -265,16 +264,19 @@ void *mc_devpool_alloc(mc_devpool_owner *owner, size_t bytes, mc_err *err) {
         if (st != MC_OK) {
             const mc_devpool_stats s = pool->stats;
             pthread_mutex_unlock(&pool->lock);
-            if (st == MC_ERR_NOMEM)
-                mc_fail(err, MC_ERR_NOMEM,
-                        "device %d: out of device memory for %zu bytes (%zu with rounding), also "
-                        "after giving %llu cached bytes back to the device; %llu bytes in %llu "
-                        "blocks are in use by the %d model(s) on this device, %llu bytes stay "
-                        "cached by models recording a graph (%s)",
-                        pool->device, bytes, class_bytes, (unsigned long long)given_back,
-                        (unsigned long long)s.in_use_bytes, (unsigned long long)s.in_use_blocks,
-                        s.owners, (unsigned long long)s.cached_bytes, first.msg);
-            else
+            if (st == MC_ERR_NOMEM) {
+                char held[2 * MC_ERRMSG_LEN]; /* room for the device's whole message */
+                snprintf(held, sizeof held,
+                         "also after giving %llu cached bytes back to the device; %llu bytes in %llu "
+                         "blocks are in use by the %d model(s) on this device, %llu bytes stay "
+                         "cached by models recording a graph (%s)",
+                         (unsigned long long)given_back, (unsigned long long)s.in_use_bytes,
+                         (unsigned long long)s.in_use_blocks, s.owners, (unsigned long long)s.cached_bytes,
+                         first.msg);
+                mc_fail_nomem_because(err, class_bytes, held,
+                                      "%s on device %d, a %zu-byte request rounded up to its size class", what,
+                                      pool->device, bytes);
+            } else
                 mc_fail(err, st, "%s", first.msg);
             return NULL;
         }

@@ -92,8 +92,8 @@ mc_status mc_devpool_join(const mc_devpool_raw *raw, void *raw_ctx, int device,
 void mc_devpool_leave(mc_devpool_owner *owner);
 
 /* A block of at least `bytes` (NULL with err set: MC_ERR_NOMEM after a
- * trim and a retry, naming `bytes` and the pool's state). */
-void *mc_devpool_alloc(mc_devpool_owner *owner, size_t bytes, mc_err *err);
+ * trim and a retry, naming `what`, `bytes` and the pool's state). */
+void *mc_devpool_alloc(mc_devpool_owner *owner, size_t bytes, const char *what, mc_err *err);
 
 /* Returns a block (from mc_devpool_alloc of any owner of this pool) to the
  * cache as `owner`'s: its kernels may still be running. NULL is ignored; a

@@ -121,8 +121,10 @@ struct mc_ops {
     const char *name;
     void (*destroy)(mc_backend *be);
 
-    /* memory */
-    void *(*alloc)(mc_backend *be, size_t bytes, mc_err *err);
+    /* memory. `what` names the buffer ("the K/V cache of encoder block 3") for
+     * the out-of-memory message (mc_fail_nomem), which alloc writes: its
+     * caller knows what it asked for, the backend knows why it failed. */
+    void *(*alloc)(mc_backend *be, size_t bytes, const char *what, mc_err *err);
     void (*release)(mc_backend *be, void *ptr);
     mc_status (*upload)(mc_backend *be, void *dst, const void *host_src, size_t bytes, mc_err *err);
     mc_status (*download)(mc_backend *be, void *host_dst, const void *src, size_t bytes, mc_err *err);
@@ -227,7 +229,8 @@ static inline void mc_backend_destroy(mc_backend *be) {
 mc_status mc_backend_cuda_create(mc_backend **out, int device_index, mc_err *err);
 #endif
 
-/* Reusable scratch of the CPU backend (grow-only; valid until the next call). */
-float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err);
+/* Reusable scratch of the CPU backend (grow-only; valid until the next call).
+ * `what` names the request in an out-of-memory message ("a thread's attention scores"). */
+float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what, mc_err *err);
 
 #endif

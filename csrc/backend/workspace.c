@@ -1,23 +1,22 @@
 #include "workspace.h"
 
+#include <stdio.h>
 #include <string.h>
 
 void *mc_buffer_reserve(mc_backend *be, mc_buffer *buf, size_t count, size_t elem_size, const char *what,
                         mc_err *err) {
     size_t bytes;
     if (mc_mul_overflows(count > 0 ? count : 1, elem_size, &bytes)) {
-        mc_fail(err, MC_ERR_NOMEM, "workspace buffer %s: %zu elements of %zu bytes overflow the address space",
-                what, count, elem_size);
+        mc_fail_nomem_n(err, count, elem_size, "workspace buffer %s", what);
         return NULL;
     }
     if (buf->data != NULL && buf->bytes >= bytes)
         return buf->data;
-    void *fresh = be->ops->alloc(be, bytes, err);
-    if (fresh == NULL) {
-        if (err != NULL)
-            mc_fail(err, MC_ERR_NOMEM, "workspace buffer %s: %zu bytes", what, bytes); /* first failure wins */
+    char named[128];
+    snprintf(named, sizeof named, "workspace buffer %s", what);
+    void *fresh = be->ops->alloc(be, bytes, named, err);
+    if (fresh == NULL)
         return NULL;
-    }
     if (buf->data != NULL)
         be->ops->release(be, buf->data);
     buf->data = fresh;

@@ -39,6 +39,47 @@ mc_status mc_fail(mc_err *err, mc_status status, const char *fmt, ...)
 #endif
     ;
 
+/* Out of memory, in one format everywhere (csrc/ and the binding's
+ * mcpy_no_memory): MC_ERR_NOMEM with
+ *     "cannot allocate <what> (<N> bytes)"               under 1 KiB
+ *     "cannot allocate <what> (<N> bytes, <x.y> <unit>)"  from 1 KiB on, <unit> the
+ *                                                         largest of KiB..EiB with x.y >= 1.0
+ * so a user sees what failed and how big it was, exact and readable. `what`
+ * is printf-style ("the K/V slot list of %d images"); it is the thing, the
+ * size is added here. tests/test_messages.py holds every out-of-memory
+ * failure in csrc/ to these functions. */
+mc_status mc_fail_nomem(mc_err *err, size_t bytes, const char *what_fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* `count` items of `each` bytes: mc_fail_nomem with their product, or, when
+ * the product overflows size_t (no allocation was tried),
+ *     "cannot allocate <what> (<count> x <each> bytes: more than the address space)". */
+mc_status mc_fail_nomem_n(mc_err *err, size_t count, size_t each, const char *what_fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+
+/* mc_fail_nomem followed by ": <because>" (the device's own reason, what a
+ * pool holds): "cannot allocate <what> (<size>): <because>". */
+mc_status mc_fail_nomem_because(mc_err *err, size_t bytes, const char *because, const char *what_fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+
+/* For the one case where the size is not ours to know: a library (the CUDA
+ * runtime, cuBLAS) that allocates inside a call and only says it failed.
+ *     "cannot allocate <what> (size not reported: <because>)" */
+mc_status mc_fail_nomem_unsized(mc_err *err, const char *because, const char *what_fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
 #define MC_TRY(expr)                          \
     do {                                      \
         mc_status mc_try_status_ = (expr);    \

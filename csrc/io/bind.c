@@ -45,12 +45,11 @@ mc_status mc_alloc_list_push(mc_alloc_list *list, void *ptr, size_t bytes, mc_er
         int64_t fresh = list->capacity ? list->capacity * 2 : 64;
         size_t fresh_bytes;
         if (fresh < list->capacity || mc_mul_overflows((size_t)fresh, sizeof *list->ptrs, &fresh_bytes))
-            return mc_fail(err, MC_ERR_NOMEM, "allocation list cannot grow past %lld entries",
-                           (long long)list->capacity);
+            return mc_fail_nomem_n(err, fresh < list->capacity ? SIZE_MAX : (size_t)fresh, sizeof *list->ptrs,
+                                   "the model's allocation list (past %lld entries)", (long long)list->capacity);
         void **moved = realloc(list->ptrs, fresh_bytes);
         if (moved == NULL)
-            return mc_fail(err, MC_ERR_NOMEM, "out of memory growing the allocation list to %lld entries",
-                           (long long)fresh);
+            return mc_fail_nomem(err, fresh_bytes, "the model's allocation list (%lld entries)", (long long)fresh);
         list->ptrs = moved;
         list->capacity = fresh;
     }
@@ -88,13 +87,9 @@ static float *host_scratch(mc_loader *ld, size_t floats) {
     if (ld->host_scratch_floats >= floats && ld->host_scratch != NULL)
         return ld->host_scratch;
     size_t bytes;
-    if (mc_mul_overflows(floats, sizeof(float), &bytes)) {
-        mc_fail(ld->err, MC_ERR_NOMEM, "%s: conversion buffer of %zu floats overflows", ld->file->path, floats);
-        return NULL;
-    }
-    float *fresh = mc_aligned_alloc(bytes);
+    float *fresh = mc_mul_overflows(floats, sizeof(float), &bytes) ? NULL : mc_aligned_alloc(bytes);
     if (fresh == NULL) {
-        mc_fail(ld->err, MC_ERR_NOMEM, "%s: cannot allocate a %zu-byte conversion buffer", ld->file->path, bytes);
+        mc_fail_nomem_n(ld->err, floats, sizeof(float), "the conversion buffer for %s", ld->file->path);
         return NULL;
     }
     mc_aligned_free(ld->host_scratch);
@@ -206,10 +201,11 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
     size_t bytes = numel * (to_16bit ? sizeof(uint16_t) : sizeof(float));
     /* Never ask a backend for 0 bytes: some return NULL for that. */
     size_t alloc_bytes = bytes ? bytes : sizeof(float);
-    void *buffer = be->ops->alloc(be, alloc_bytes, ld->err);
+    char what[MC_ERRMSG_LEN / 2];
+    snprintf(what, sizeof what, "the weight '%s' of %s", name, path);
+    void *buffer = be->ops->alloc(be, alloc_bytes, what, ld->err);
     if (buffer == NULL)
-        return mc_fail(ld->err, MC_ERR_NOMEM, "%s: cannot allocate %zu bytes for key '%s'", path, alloc_bytes,
-                       name);
+        return ld->err->status;
     mc_status status = stream_tensor(ld, t, layout, to_16bit, buffer);
     if (status == MC_OK)
         status = mc_alloc_list_push(&ld->allocations, buffer, alloc_bytes, ld->err);
@@ -272,14 +268,18 @@ mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t 
     return t == NULL ? ld->err->status : mc_st_to_f32(ld->file, t, dst, ld->err);
 }
 
-mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out) {
+mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out, const char *what_fmt, ...) {
     *out = NULL;
+    char what[MC_ERRMSG_LEN / 2];
+    va_list ap;
+    va_start(ap, what_fmt);
+    vsnprintf(what, sizeof what, what_fmt, ap);
+    va_end(ap);
     size_t bytes;
     if (mc_mul_overflows(floats ? floats : 1, sizeof(float), &bytes))
-        return mc_fail(ld->err, MC_ERR_NOMEM, "%s: upload of %zu floats overflows", ld->file->path,
-                       floats);
+        return mc_fail_nomem_n(ld->err, floats, sizeof(float), "%s", what);
     mc_backend *be = ld->backend;
-    void *buffer = be->ops->alloc(be, bytes, ld->err);
+    void *buffer = be->ops->alloc(be, bytes, what, ld->err);
     if (buffer == NULL)
         return ld->err->status;
     mc_status status = MC_OK;

@@ -76,9 +76,14 @@ mc_status mc_loader_shape(mc_loader *ld, const char *name, int *ndim, int64_t sh
  * (FID-Inception folds BatchNorm into its convolutions): mc_bind_host
  * checks `name` exactly as mc_bind does and converts it to float32 into
  * dst (numel floats, the stored C order); mc_loader_upload copies `floats`
- * host floats into a fresh backend buffer recorded in the loader's list. */
+ * host floats into a fresh backend buffer recorded in the loader's list
+ * (what_fmt names it in an out-of-memory message). */
 mc_status mc_bind_host(mc_loader *ld, const char *name, int ndim, const int64_t *shape, float *dst);
-mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out);
+mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, float **out, const char *what_fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
 
 /* A size of a model's configuration read back from a tensor's shape: what it is (for the
  * message), the tensor it came from, its value. */

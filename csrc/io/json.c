@@ -28,9 +28,11 @@ static int parse_fail(json_parser *p, size_t offset, const char *fmt, ...) {
     return -1;
 }
 
-static int parse_nomem(json_parser *p) {
+static int parse_nomem(json_parser *p, size_t count, size_t each, const char *what) {
     p->error->out_of_memory = 1;
-    return parse_fail(p, p->pos, "out of memory");
+    p->error->nomem_count = count;
+    p->error->nomem_each = each;
+    return parse_fail(p, p->pos, "%s", what);
 }
 
 /* Describes the byte at pos for messages: a printable character is quoted,
@@ -159,7 +161,7 @@ static int parse_string(json_parser *p, char **chars_out, size_t *len_out) {
     }
     char *buf = malloc(end - start + 1);
     if (buf == NULL)
-        return parse_nomem(p);
+        return parse_nomem(p, end - start + 1, 1, "a decoded string");
     size_t n = 0;
     size_t i = start;
     while (i < end) {
@@ -276,14 +278,15 @@ static int parse_literal(json_parser *p, const char *word, mc_json_value *out, m
 
 static int parse_value(json_parser *p, mc_json_value *out, int depth);
 
-/* Doubles a vector's capacity with overflow checks; 0 or -1 (out of memory). */
-static int grow(void **items, size_t *capacity, size_t item_size) {
+/* Doubles a vector's capacity with overflow checks; 0 or -1 (out of memory,
+ * recorded with parse_nomem naming `what`). */
+static int grow(json_parser *p, void **items, size_t *capacity, size_t item_size, const char *what) {
     size_t fresh = *capacity ? *capacity * 2 : 8;
-    if (fresh < *capacity || fresh > SIZE_MAX / item_size)
-        return -1;
+    if (*capacity > SIZE_MAX / 2 || fresh > SIZE_MAX / item_size)
+        return parse_nomem(p, *capacity > SIZE_MAX / 2 ? SIZE_MAX : fresh, item_size, what);
     void *moved = realloc(*items, fresh * item_size);
     if (moved == NULL)
-        return -1;
+        return parse_nomem(p, fresh, item_size, what);
     *items = moved;
     *capacity = fresh;
     return 0;
@@ -298,10 +301,8 @@ static int parse_array(json_parser *p, mc_json_value *out, int depth) {
         p->pos++;
     } else {
         while (1) {
-            if (count == capacity && grow((void **)&items, &capacity, sizeof *items) < 0) {
-                parse_nomem(p);
+            if (count == capacity && grow(p, (void **)&items, &capacity, sizeof *items, "an array's items") < 0)
                 goto fail;
-            }
             memset(&items[count], 0, sizeof items[count]);
             if (parse_value(p, &items[count], depth + 1) < 0)
                 goto fail;
@@ -347,10 +348,9 @@ static int parse_object(json_parser *p, mc_json_value *out, int depth) {
                            describe_byte(p, p->pos, desc));
                 goto fail;
             }
-            if (count == capacity && grow((void **)&members, &capacity, sizeof *members) < 0) {
-                parse_nomem(p);
+            if (count == capacity &&
+                grow(p, (void **)&members, &capacity, sizeof *members, "an object's members") < 0)
                 goto fail;
-            }
             mc_json_member *m = &members[count];
             memset(m, 0, sizeof *m);
             m->key_offset = p->pos;

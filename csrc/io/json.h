@@ -61,10 +61,14 @@ struct mc_json_member {
     mc_json_value value;
 };
 
-/* Why a parse failed and where (byte offset into the input). */
+/* Why a parse failed and where (byte offset into the input). Out of memory:
+ * out_of_memory is set, msg names what could not be allocated ("an array's
+ * items") and nomem_count * nomem_each is its size (the product may
+ * overflow: that is why it failed), for the caller's mc_fail_nomem_n. */
 typedef struct mc_json_error {
     size_t offset;
     int out_of_memory;
+    size_t nomem_count, nomem_each;
     char msg[160];
 } mc_json_error;
 

@@ -190,7 +190,8 @@ static mc_status check_metadata(header_check *hc, const mc_json_value *meta) {
     file->metadata_keys = calloc(count, sizeof *file->metadata_keys);
     file->metadata_values = calloc(count, sizeof *file->metadata_values);
     if (file->metadata_keys == NULL || file->metadata_values == NULL)
-        return mc_fail(hc->err, MC_ERR_NOMEM, "%s: out of memory reading metadata", hc->path);
+        return mc_fail_nomem_n(hc->err, count, sizeof *file->metadata_keys + sizeof *file->metadata_values,
+                               "the metadata table of %s (%zu entries)", hc->path, count);
     for (size_t i = 0; i < count; i++) {
         mc_json_member *m = &meta->u.object.members[i];
         if (strlen(m->key) != m->key_len)
@@ -390,7 +391,8 @@ static mc_status index_names(header_check *hc) {
     file->name_order = malloc((size_t)n * sizeof *file->name_order);
     if (slots == NULL || file->name_order == NULL) {
         free(slots);
-        return mc_fail(hc->err, MC_ERR_NOMEM, "%s: out of memory indexing %lld tensors", hc->path, (long long)n);
+        return mc_fail_nomem_n(hc->err, (size_t)n, sizeof *slots + sizeof *file->name_order,
+                               "the name index of %s's %lld tensors", hc->path, (long long)n);
     }
     for (int64_t i = 0; i < n; i++)
         slots[i] = (name_slot){file->tensors[i].name, i};
@@ -415,7 +417,8 @@ static mc_status check_tiling(header_check *hc) {
     if (n > 0) {
         offset_slot *slots = malloc((size_t)n * sizeof *slots);
         if (slots == NULL)
-            return mc_fail(hc->err, MC_ERR_NOMEM, "%s: out of memory sorting %lld tensors", hc->path, (long long)n);
+            return mc_fail_nomem_n(hc->err, (size_t)n, sizeof *slots, "the offset order of %s's %lld tensors", hc->path,
+                                   (long long)n);
         for (int64_t i = 0; i < n; i++)
             slots[i] = (offset_slot){file->tensors[i].begin, file->tensors[i].end, i};
         qsort(slots, (size_t)n, sizeof *slots, compare_offset_slots);
@@ -480,7 +483,8 @@ static mc_status check_entries(header_check *hc, mc_json_value *root) {
     if (n_tensors > 0) {
         file->tensors = calloc(n_tensors, sizeof *file->tensors);
         if (file->tensors == NULL)
-            return mc_fail(hc->err, MC_ERR_NOMEM, "%s: out of memory for %zu tensor entries", hc->path, n_tensors);
+            return mc_fail_nomem_n(hc->err, n_tensors, sizeof *file->tensors, "the tensor table of %s (%zu entries)",
+                                   hc->path, n_tensors);
     }
     const uint8_t *data_section = (const uint8_t *)file->mapping + (file->mapping_size - hc->data_size);
     for (size_t i = 0; i < n_members; i++) {
@@ -526,7 +530,9 @@ static mc_status parse_header(mc_st_file *file, mc_err *err) {
     mc_json_error json_error;
     if (mc_json_parse((const char *)header, (size_t)header_len, &root, &json_error) != 0) {
         if (json_error.out_of_memory)
-            return mc_fail(err, MC_ERR_NOMEM, "%s: out of memory parsing the header", file->path);
+            return mc_fail_nomem_n(err, json_error.nomem_count, json_error.nomem_each,
+                                   "%s of %s's header (at header byte %zu)", json_error.msg, file->path,
+                                   json_error.offset);
         return mc_fail(err, MC_ERR_VALUE, "%s: header is not valid JSON: %s at header byte %zu", file->path,
                        json_error.msg, json_error.offset);
     }
@@ -541,12 +547,12 @@ mc_status mc_st_open(const char *path, mc_st_file **out, mc_err *err) {
     *out = NULL;
     mc_st_file *file = calloc(1, sizeof *file);
     if (file == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "%s: out of memory", path);
+        return mc_fail_nomem(err, sizeof *file, "the file record of %s", path);
     size_t path_len = strlen(path);
     file->path = malloc(path_len + 1);
     if (file->path == NULL) {
         free(file);
-        return mc_fail(err, MC_ERR_NOMEM, "%s: out of memory", path);
+        return mc_fail_nomem(err, path_len + 1, "a copy of the path %s", path);
     }
     memcpy(file->path, path, path_len + 1);
     mc_status status = map_file(file, err);

@@ -92,7 +92,8 @@ static mc_status note_bound(inc_loader *L, const char *name, int64_t numel) {
         int64_t cap = L->cap_bound ? 2 * L->cap_bound : 512;
         void *grown = realloc(L->bound, (size_t)cap * INC_NAME_LEN);
         if (grown == NULL)
-            return mc_fail(L->err, MC_ERR_NOMEM, "Inception: cannot allocate the list of bound names");
+            return mc_fail_nomem_n(L->err, (size_t)cap, INC_NAME_LEN, "Inception's list of bound names (%lld names)",
+                                   (long long)cap);
         L->bound = grown;
         L->cap_bound = cap;
     }
@@ -140,8 +141,8 @@ static mc_status load_conv(inc_loader *L, inc_conv *c, const char *prefix, int64
     size_t wfloats = (size_t)(cout * taps);
     float *host = malloc((2 * wfloats + 4 * (size_t)cout) * sizeof(float));
     if (host == NULL)
-        return mc_fail(L->err, MC_ERR_NOMEM, "Inception: cannot allocate %zu floats to fold '%s'",
-                       2 * wfloats + 4 * (size_t)cout, name);
+        return mc_fail_nomem_n(L->err, 2 * wfloats + 4 * (size_t)cout, sizeof(float),
+                               "Inception's host copy of '%s' to fold its BatchNorm into", name);
     float *w = host, *packed = host + wfloats, *bn = packed + wfloats;
     float *gamma = bn, *beta = bn + cout, *mean = bn + 2 * cout, *var = bn + 3 * cout;
     mc_status st = read_host(L, name, 4, shape, w);
@@ -169,9 +170,9 @@ static mc_status load_conv(inc_loader *L, inc_conv *c, const char *prefix, int64
         bias[o] = (float)((double)beta[o] - (double)mean[o] * s);
     }
     if (st == MC_OK)
-        st = mc_loader_upload(&L->loader, packed, wfloats, &c->w);
+        st = mc_loader_upload(&L->loader, packed, wfloats, &c->w, "the folded weight of %s", prefix);
     if (st == MC_OK)
-        st = mc_loader_upload(&L->loader, bias, (size_t)cout, &c->b);
+        st = mc_loader_upload(&L->loader, bias, (size_t)cout, &c->b, "the folded bias of %s", prefix);
     free(host);
     return st;
 }
@@ -599,12 +600,14 @@ static mc_status run_network(inc_run *r) {
 static mc_status allocate_buffers(mc_inception *net, const size_t *need, mc_err *err) {
     static const char *const slot_names[SLOT_COUNT] = {"inception.x", "inception.y", "inception.t1",
                                                        "inception.t2", "inception.pool", "inception.logits"};
-    for (int s = 0; s < SLOT_COUNT; s++)
-        if (mc_buffer_floats(net->be, &net->buf[s], need[s], slot_names[s], err) == NULL)
-            return mc_fail(err, MC_ERR_NOMEM,
-                           "Inception: cannot allocate %zu floats of activations for %lld images per chunk "
-                           "(use a smaller chunk)",
-                           need[s], (long long)net->info.chunk);
+    for (int s = 0; s < SLOT_COUNT; s++) {
+        /* the buffer's name carries the hint: a smaller chunk needs less */
+        char what[96];
+        snprintf(what, sizeof what, "%s (activations of %lld images per chunk: use a smaller chunk)", slot_names[s],
+                 (long long)net->info.chunk);
+        if (mc_buffer_floats(net->be, &net->buf[s], need[s], what, err) == NULL)
+            return err->status;
+    }
     return MC_OK;
 }
 
@@ -616,7 +619,7 @@ mc_status mc_inception_load(mc_backend *be, const mc_st_file *file, int64_t chun
                        (long long)chunk);
     mc_inception *net = calloc(1, sizeof *net);
     if (net == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "Inception: cannot allocate the model struct");
+        return mc_fail_nomem(err, sizeof *net, "the Inception model struct");
     net->be = be;
     net->info.chunk = chunk;
 
@@ -684,7 +687,7 @@ mc_status mc_inception_forward(mc_inception *net, const uint8_t *images, int64_t
     const size_t need = (size_t)chunk * image_bytes;
     uint8_t *input = mc_buffer_reserve(be, &net->input, need, 1, "inception.input", err);
     if (input == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "Inception: cannot allocate %zu bytes of input", need);
+        return err->status; /* mc_buffer_reserve named it and its size */
     const int64_t f = net->info.feature_dim, k = net->info.num_classes;
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {
         if (cancel != NULL && cancel(cancel_ctx))

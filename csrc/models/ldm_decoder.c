@@ -39,8 +39,8 @@ static mc_status note_bound(mc_ldm_binder *bd, const char *name, int ndim, const
         int64_t cap = bd->cap_bound ? 2 * bd->cap_bound : 256;
         void *grown = realloc(bd->bound, (size_t)cap * MC_LDM_NAME_LEN);
         if (grown == NULL)
-            return mc_fail(bd->err, MC_ERR_NOMEM, "%s: cannot allocate the list of bound names",
-                           bd->model);
+            return mc_fail_nomem_n(bd->err, (size_t)cap, MC_LDM_NAME_LEN, "the %s's list of bound names (%lld names)",
+                                   bd->model, (long long)cap);
         bd->bound = grown;
         bd->cap_bound = cap;
     }
@@ -241,13 +241,14 @@ static mc_status bind_all(mc_ldm_decoder *dec, mc_ldm_binder *bd) {
         lv->channels = dec->ch * dec->ch_mult[level];
         lv->blocks = calloc(nblocks, sizeof *lv->blocks);
         if (lv->blocks == NULL)
-            return mc_fail(bd->err, MC_ERR_NOMEM, "%s: cannot allocate the block table", bd->model);
+            return mc_fail_nomem_n(bd->err, nblocks, sizeof *lv->blocks, "the %s's block table of level %d", bd->model,
+                                   level);
         const int with_attn = layout->top_attention && level == levels - 1;
         if (with_attn) {
             lv->attns = calloc(nblocks, sizeof *lv->attns);
             if (lv->attns == NULL)
-                return mc_fail(bd->err, MC_ERR_NOMEM, "%s: cannot allocate the attention table",
-                               bd->model);
+                return mc_fail_nomem_n(bd->err, nblocks, sizeof *lv->attns, "the %s's attention table of level %d",
+                                       bd->model, level);
         }
         for (int b = 0; b <= dec->num_res_blocks; b++) {
             snprintf(name, sizeof name, "decoder.up.%d.block.%d", level, b);

@@ -223,9 +223,9 @@ static mc_status bind_all(mc_loader *ld, mc_mar *m) {
 }
 
 /* A buffer owned by the model's allocation list. */
-static float *model_buffer(mc_mar *m, size_t floats, mc_err *err) {
+static float *model_buffer(mc_mar *m, size_t floats, const char *what, mc_err *err) {
     mc_backend *be = m->backend;
-    float *p = be->ops->alloc(be, floats * sizeof(float), err);
+    float *p = be->ops->alloc(be, floats * sizeof(float), what, err);
     if (p == NULL)
         return NULL;
     if (mc_alloc_list_push(&m->weights, p, floats * sizeof(float), err) != MC_OK) {
@@ -259,13 +259,14 @@ static mc_status embed_timesteps(mc_mar *m, const int32_t *timesteps, int64_t n,
     const int64_t W = m->config.head_width;
     float *host_freq = malloc((size_t)n * MAR_TIME_FREQ_DIM * sizeof(float));
     if (host_freq == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate timestep frequencies (%zu bytes)",
-                       (size_t)n * MAR_TIME_FREQ_DIM * sizeof(float));
+        return mc_fail_nomem_n(err, (size_t)n * MAR_TIME_FREQ_DIM, sizeof(float),
+                               "the sinusoidal frequencies of %lld timesteps", (long long)n);
     for (int64_t i = 0; i < n; i++)
         timestep_frequencies(timesteps[i], host_freq + i * MAR_TIME_FREQ_DIM);
     mc_status st = MC_OK;
-    float *dev_freq = ops->alloc(be, (size_t)n * MAR_TIME_FREQ_DIM * sizeof(float), err);
-    float *hidden = dev_freq ? ops->alloc(be, (size_t)(n * W) * sizeof(float), err) : NULL;
+    float *dev_freq = ops->alloc(be, (size_t)n * MAR_TIME_FREQ_DIM * sizeof(float), "the timestep frequencies", err);
+    float *hidden = dev_freq ? ops->alloc(be, (size_t)(n * W) * sizeof(float), "the time MLP's hidden layer", err)
+                             : NULL;
     if (dev_freq == NULL || hidden == NULL)
         st = err->status;
     if (st == MC_OK)
@@ -290,7 +291,7 @@ static mc_status hoist_constants(mc_mar *m, const int32_t *timesteps, int64_t n_
     const int64_t Dd = m->config.dec_width, L = m->config.seq_len + m->config.buffer_size;
     const int64_t W = m->config.head_width;
 
-    m->dec_masked_rows = model_buffer(m, (size_t)(L * Dd), err);
+    m->dec_masked_rows = model_buffer(m, (size_t)(L * Dd), "the decoder's masked rows", err);
     if (m->dec_masked_rows == NULL)
         return err->status;
     MC_TRY(ops->copy(be, m->dec_masked_rows, m->dec_pos, (size_t)(L * Dd) * sizeof(float), err));
@@ -304,7 +305,7 @@ static mc_status hoist_constants(mc_mar *m, const int32_t *timesteps, int64_t n_
         m->time_slot[timesteps[i]] = (int32_t)i;
     }
     m->n_timesteps = n_timesteps;
-    m->time_embeddings = model_buffer(m, (size_t)(n_timesteps * W), err);
+    m->time_embeddings = model_buffer(m, (size_t)(n_timesteps * W), "the head's time embeddings", err);
     if (m->time_embeddings == NULL)
         return err->status;
     return embed_timesteps(m, timesteps, n_timesteps, m->time_embeddings, err);
@@ -325,7 +326,8 @@ mc_status mc_mar_prepare_time_embeddings(mc_mar *m, const int32_t *timesteps, in
     int32_t every[MAR_BASE_TIMESTEPS];
     for (int t = 0; t < MAR_BASE_TIMESTEPS; t++)
         every[t] = t;
-    float *table = model_buffer(m, (size_t)(MAR_BASE_TIMESTEPS * m->config.head_width), err);
+    float *table = model_buffer(m, (size_t)(MAR_BASE_TIMESTEPS * m->config.head_width),
+                                "the time embeddings of every base timestep", err);
     if (table == NULL)
         return err->status;
     MC_TRY(embed_timesteps(m, every, MAR_BASE_TIMESTEPS, table, err));
@@ -346,7 +348,7 @@ mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override
                       const int32_t *timesteps, int64_t n_timesteps, mc_mar **out, mc_err *err) {
     mc_mar *m = calloc(1, sizeof *m);
     if (m == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the MAR model");
+        return mc_fail_nomem(err, sizeof *m, "the MAR model");
     m->backend = be;
     mc_loader ld;
     mc_loader_init(&ld, file, be, err);
@@ -356,7 +358,11 @@ mc_status mc_mar_load(mc_backend *be, const mc_st_file *file, int heads_override
         m->dec_blocks = calloc((size_t)m->config.dec_depth, sizeof *m->dec_blocks);
         m->res_blocks = calloc((size_t)m->config.head_depth, sizeof *m->res_blocks);
         if (!m->enc_blocks || !m->dec_blocks || !m->res_blocks)
-            st = mc_fail(err, MC_ERR_NOMEM, "cannot allocate block tables");
+            st = mc_fail_nomem(err,
+                               (size_t)m->config.enc_depth * sizeof *m->enc_blocks +
+                                   (size_t)m->config.dec_depth * sizeof *m->dec_blocks +
+                                   (size_t)m->config.head_depth * sizeof *m->res_blocks,
+                               "the MAR block tables");
     }
     if (st == MC_OK)
         st = bind_all(&ld, m);
@@ -413,7 +419,7 @@ static mc_status store_kv(mc_mar *m, const float *qkv, int64_t q_rows, int64_t d
         return MC_OK;
     int32_t *host = malloc((size_t)n * sizeof(int32_t));
     if (host == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate K/V store indices");
+        return mc_fail_nomem_n(err, (size_t)n, sizeof(int32_t), "the K/V store indices of %lld rows", (long long)n);
     for (int64_t b = 0; b < io->store_seq; b++)
         for (int64_t r = 0; r < q_rows; r++) {
             int64_t slot = io->store_slots ? io->store_slots[b * q_rows + r] : r;
@@ -512,7 +518,8 @@ mc_status mc_mar_encoder_input(mc_mar *m, const mc_mar_batch *batch, float *x, m
         const int64_t n = B * K;
         int32_t *host = malloc((size_t)n * 3 * sizeof(int32_t));
         if (host == NULL)
-            return mc_fail(err, MC_ERR_NOMEM, "cannot allocate encoder indices");
+            return mc_fail_nomem_n(err, (size_t)n * 3, sizeof(int32_t), "the encoder's row indices of %lld tokens",
+                                   (long long)n);
         int32_t *token_rows = host, *pos_rows = host + n, *dst_rows = host + 2 * n;
         for (int64_t b = 0; b < B; b++)
             for (int64_t i = 0; i < K; i++) {
@@ -549,7 +556,9 @@ mc_status mc_mar_decoder_input(mc_mar *m, const float *enc, int64_t n_seq, int64
     int32_t *host = malloc((size_t)n * 2 * sizeof(int32_t));
     if (embedded == NULL || host == NULL) {
         free(host);
-        return embedded == NULL ? err->status : mc_fail(err, MC_ERR_NOMEM, "cannot allocate decoder indices");
+        return embedded == NULL ? err->status
+                                : mc_fail_nomem_n(err, (size_t)n * 2, sizeof(int32_t),
+                                                  "the decoder's row indices of %lld rows", (long long)n);
     }
     int32_t *pos_rows = host, *dst_rows = host + n;
     for (int64_t b = 0; b < n_seq; b++)
@@ -657,7 +666,8 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
         return MC_OK;
     int32_t *host = malloc((size_t)n_out * 2 * sizeof(int32_t));
     if (host == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate output indices");
+        return mc_fail_nomem_n(err, (size_t)n_out * 2, sizeof(int32_t), "the output row indices of %lld rows",
+                               (long long)n_out);
     for (int64_t i = 0; i < n_out; i++) {
         int64_t b = out_rows[i] / S, pos = out_rows[i] % S;
         host[i] = (int32_t)(b * L + P + pos);

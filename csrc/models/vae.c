@@ -83,7 +83,7 @@ mc_status mc_vae_load(mc_backend *be, const mc_st_file *file, mc_vae **out, mc_e
     *out = NULL;
     mc_vae *v = calloc(1, sizeof *v);
     if (v == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "VAE: cannot allocate the model struct");
+        return mc_fail_nomem(err, sizeof *v, "the VAE model struct");
     v->be = be;
 
     mc_ldm_binder bd;
@@ -127,8 +127,7 @@ static mc_status ensure_host_latent(mc_vae *v, int64_t side, mc_err *err) {
         return MC_OK;
     float *fresh = malloc(latent * sizeof(float));
     if (fresh == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "VAE: cannot allocate the %zu-float latent staging buffer",
-                       latent);
+        return mc_fail_nomem_n(err, latent, sizeof(float), "the VAE's latent staging buffer");
     free(v->host_latent);
     v->host_latent = fresh;
     v->host_latent_floats = latent;

@@ -60,8 +60,10 @@ static mc_status grow(mc_backend *be, void **slot, size_t *have, size_t count, s
         return MC_OK;
     size_t bytes;
     if (mc_mul_overflows(count > 0 ? count : 1, elem, &bytes))
-        return mc_fail(err, MC_ERR_NOMEM, "VAR %s: %zu elements overflow the address space", what, count);
-    void *fresh = be->ops->alloc(be, bytes, err);
+        return mc_fail_nomem_n(err, count, elem, "VAR's %s", what);
+    char named[96];
+    snprintf(named, sizeof named, "VAR's %s", what);
+    void *fresh = be->ops->alloc(be, bytes, named, err);
     if (fresh == NULL)
         return err->status;
     if (*slot != NULL)
@@ -279,14 +281,14 @@ static mc_status bind_block(mc_loader *ld, const mc_var_config *c, int i, mc_var
     MC_TRY(mc_bind_host(ld, name, 4, SHAPE(1, H, 1, 1), scale_mul));
     for (int64_t h = 0; h < H; h++)
         scale_mul[h] = head_scale_of(scale_mul[h]);
-    MC_TRY(mc_loader_upload(ld, scale_mul, (size_t)H, &b->head_scale));
+    MC_TRY(mc_loader_upload(ld, scale_mul, (size_t)H, &b->head_scale, "block %d's head scales", i));
     /* The Linear has no bias; the official forward adds cat(q_bias, zeros, v_bias). */
     snprintf(name, sizeof name, "blocks.%d.attn.q_bias", i);
     MC_TRY(mc_bind_host(ld, name, 1, SHAPE(C), bias));
     memset(bias + C, 0, (size_t)C * sizeof(float));
     snprintf(name, sizeof name, "blocks.%d.attn.v_bias", i);
     MC_TRY(mc_bind_host(ld, name, 1, SHAPE(C), bias + 2 * C));
-    MC_TRY(mc_loader_upload(ld, bias, (size_t)(3 * C), &b->qkv_b));
+    MC_TRY(mc_loader_upload(ld, bias, (size_t)(3 * C), &b->qkv_b, "block %d's qkv bias", i));
     LBIND(b->qkv_w, 3 * C, C, "blocks.%d.attn.mat_qkv.weight", i);
     LBIND(b->proj_w, C, C, "blocks.%d.attn.proj.weight", i);
     BINDF(b->proj_b, (C), "blocks.%d.attn.proj.bias", i);
@@ -317,7 +319,7 @@ static mc_status bind_all(mc_loader *ld, mc_var *m, float *host) {
     const int64_t C = c->width, first = c->patch_nums[0] * c->patch_nums[0];
     BIND(m->pos_start, "pos_start", 1, first, C);
     MC_TRY(bind_lvl_pos(ld, c, host));
-    MC_TRY(mc_loader_upload(ld, host, (size_t)(c->tokens * C), &m->lvl_pos));
+    MC_TRY(mc_loader_upload(ld, host, (size_t)(c->tokens * C), &m->lvl_pos, "the level and position embeddings"));
     BIND(m->class_emb, "class_emb.weight", c->num_classes + 1, C);
     LBIND(m->word_embed_w, C, c->vae_channels, "%s", "word_embed.weight");
     BIND(m->word_embed_b, "word_embed.bias", C);
@@ -333,7 +335,7 @@ static mc_status bind_all(mc_loader *ld, mc_var *m, float *host) {
 mc_status mc_var_load(mc_backend *be, const mc_st_file *file, mc_var **out, mc_err *err) {
     mc_var *m = calloc(1, sizeof *m);
     if (m == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the VAR model");
+        return mc_fail_nomem(err, sizeof *m, "the VAR model");
     m->backend = be;
     m->slots_seq = -1;
     mc_loader ld;
@@ -348,7 +350,10 @@ mc_status mc_var_load(mc_backend *be, const mc_st_file *file, mc_var **out, mc_e
         m->v_cache = calloc((size_t)c->depth, sizeof *m->v_cache);
         host = malloc(host_floats * sizeof(float));
         if (!m->blocks || !m->k_cache || !m->v_cache || !host)
-            st = mc_fail(err, MC_ERR_NOMEM, "cannot allocate the VAR block tables");
+            st = mc_fail_nomem(err,
+                               (size_t)c->depth * (sizeof *m->blocks + sizeof *m->k_cache + sizeof *m->v_cache) +
+                                   host_floats * sizeof(float),
+                               "the VAR block tables and the load's host staging of embeddings and biases");
     }
     if (st == MC_OK)
         st = bind_all(&ld, m, host);
@@ -436,7 +441,7 @@ mc_status mc_var_first_input(mc_var *var, int64_t n_seq, float *x, mc_err *err) 
     MC_TRY(check_cond(var, n_seq, "first scale", err));
     int32_t *rows = malloc((size_t)(n_seq * first) * sizeof(int32_t));
     if (rows == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the first scale's row list");
+        return mc_fail_nomem_n(err, (size_t)(n_seq * first), sizeof(int32_t), "the first scale's row list");
     for (int64_t i = 0; i < n_seq * first; i++)
         rows[i] = (int32_t)(i / first);
     mc_status st = ops->upload(be, var->index_acts.rows, rows, (size_t)(n_seq * first) * sizeof(int32_t), err);
@@ -500,7 +505,7 @@ static mc_status kv_slots(mc_var *var, int64_t n_seq, int64_t rows, int64_t kv_u
     const int64_t L = var->config.tokens, n = n_seq * rows;
     int32_t *host = malloc((size_t)n * sizeof(int32_t));
     if (host == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the K/V slot list");
+        return mc_fail_nomem_n(err, (size_t)n, sizeof(int32_t), "the K/V slot list of %lld rows", (long long)n);
     for (int64_t b = 0; b < n_seq; b++)
         for (int64_t r = 0; r < rows; r++)
             host[b * rows + r] = (int32_t)(b * L + kv_used + r);

@@ -201,7 +201,7 @@ mc_status mc_vqvae_load(mc_backend *be, const mc_st_file *file, mc_vqvae **out, 
     *out = NULL;
     mc_vqvae *vq = calloc(1, sizeof *vq);
     if (vq == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "VQVAE: cannot allocate the model struct");
+        return mc_fail_nomem(err, sizeof *vq, "the VQVAE model struct");
     vq->be = be;
 
     mc_ldm_binder bd;

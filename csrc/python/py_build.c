@@ -1,6 +1,6 @@
 /* Build facts and backend probes of marcache._C: build_info(),
  * sgemm_seconds() (the machine's measured GEMM rate for the benchmarks),
- * and the test hooks _guard_probe() and _cuda_pool_probe(). */
+ * and the test hooks _guard_probe(), _cuda_pool_probe() and _nomem_message(). */
 #include "py_numpy.h"
 
 #include <time.h>
@@ -287,7 +287,7 @@ static PyObject *guard_probe(PyObject *self, PyObject *args) {
     if (mc_backend_guard_create(&be, 1, &err) != MC_OK)
         return mcpy_raise(&err);
     float value = 42.0f, back = 0.0f;
-    float *buffer = be->ops->alloc(be, sizeof value, &err);
+    float *buffer = be->ops->alloc(be, sizeof value, "the guard probe's buffer", &err);
     mc_status st = buffer == NULL ? err.status : MC_OK;
     if (st == MC_OK)
         st = be->ops->upload(be, buffer, &value, sizeof value, &err);
@@ -303,7 +303,37 @@ static PyObject *guard_probe(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble((double)back);
 }
 
+/* _nomem_message(count, each, what, because=None, sized=True) -> (status, message):
+ * what mc_fail_nomem_n / _because / _unsized write, for the test of the one
+ * out-of-memory format (tests/test_messages.py): no allocation can be made
+ * to fail at a chosen size, overflow least of all. */
+static PyObject *nomem_message(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *keywords[] = {"count", "each", "what", "because", "sized", NULL};
+    unsigned long long count = 0, each = 0;
+    const char *what = NULL, *because = NULL;
+    int sized = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKs|zp", keywords, &count, &each, &what, &because, &sized))
+        return NULL;
+    if (count > SIZE_MAX || each > SIZE_MAX)
+        return PyErr_Format(PyExc_OverflowError, "_nomem_message: count and each must fit a size_t");
+    if (because != NULL && sized && each != 1)
+        return PyErr_Format(PyExc_ValueError, "_nomem_message: with because=, count is the bytes and each must be 1");
+    mc_err err = {0};
+    mc_status st;
+    if (!sized)
+        st = mc_fail_nomem_unsized(&err, because, "%s", what);
+    else if (because != NULL)
+        st = mc_fail_nomem_because(&err, (size_t)count, because, "%s", what);
+    else
+        st = mc_fail_nomem_n(&err, (size_t)count, (size_t)each, "%s", what);
+    return Py_BuildValue("(is)", (int)(st == MC_ERR_NOMEM && err.status == MC_ERR_NOMEM), err.msg);
+}
+
 static PyMethodDef build_methods[] = {
+    {"_nomem_message", (PyCFunction)(void (*)(void))nomem_message, METH_VARARGS | METH_KEYWORDS,
+     "_nomem_message(count, each, what, because=None, sized=True) -> (is MC_ERR_NOMEM, message) of the "
+     "out-of-memory writer (tests only)"},
     {"_guard_probe", guard_probe, METH_VARARGS,
      "_guard_probe(touch) -> 42.0 read back from a guard buffer; touch=True reads it on the host "
      "instead, which must fault (tests only)."},

@@ -20,6 +20,7 @@
  * Owners still joined at the end leave, so every script ends with its pools gone. */
 #include "py_numpy.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "../backend/devpool.h"
@@ -44,11 +45,14 @@ static mc_status fake_alloc(void *ctx, size_t bytes, void **out, mc_err *err) {
     fake_device *d = ctx;
     if (d->fail_next > 0) {
         d->fail_next--;
-        return mc_fail(err, MC_ERR_NOMEM, "fake device: told to refuse %llu bytes", (unsigned long long)bytes);
+        return mc_fail_nomem_because(err, bytes, "the fake device was told to refuse it", "a block of the fake device");
     }
-    if (d->used + bytes > d->capacity || d->n_blocks == FAKE_BLOCKS)
-        return mc_fail(err, MC_ERR_NOMEM, "fake device: %llu of %llu bytes in use",
-                       (unsigned long long)d->used, (unsigned long long)d->capacity);
+    if (d->used + bytes > d->capacity || d->n_blocks == FAKE_BLOCKS) {
+        char held[160];
+        snprintf(held, sizeof held, "%llu of its %llu bytes and %d of its %d blocks are in use",
+                 (unsigned long long)d->used, (unsigned long long)d->capacity, d->n_blocks, FAKE_BLOCKS);
+        return mc_fail_nomem_because(err, bytes, held, "a block of the fake device");
+    }
     d->address[d->n_blocks] = d->next_address;
     d->bytes[d->n_blocks++] = bytes;
     *out = (void *)(uintptr_t)d->next_address; /* never dereferenced */
@@ -128,7 +132,7 @@ static PyObject *run_step(PyObject *step, fake_device *dev, fake_owner *owners) 
         if (b < 0)
             return PyErr_Format(PyExc_ValueError, "_devpool_script: negative size %lld", b);
         mc_err err = {0};
-        void *p = mc_devpool_alloc(o->owner, (size_t)b, &err);
+        void *p = mc_devpool_alloc(o->owner, (size_t)b, "a _devpool_script block", &err);
         return p != NULL ? PyLong_FromUnsignedLongLong((uint64_t)(uintptr_t)p)
                          : PyUnicode_FromString(err.msg);
     } else if (strcmp(verb, "free") == 0) {

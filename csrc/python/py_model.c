@@ -71,8 +71,7 @@ mc_status mcpy_decode_images(mcpy_decode_fn decode, void *ctx, int64_t n, int64_
         return decode(ctx, 0, n, out, err);
     float *image = n > 0 ? malloc((size_t)image_floats * sizeof(float)) : NULL;
     if (n > 0 && image == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate one decoded image (%.1f MiB)",
-                       (double)image_floats * sizeof(float) / (1024.0 * 1024.0));
+        return mc_fail_nomem_n(err, (size_t)image_floats, sizeof(float), "one decoded image");
     mc_status st = MC_OK;
     uint8_t *pixels = out;
     for (int64_t i = 0; i < n && st == MC_OK; i++) {

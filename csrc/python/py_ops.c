@@ -409,7 +409,9 @@ static PyObject *raise_value(op_call *call, const char *what) {
 static int upload_operand(op_call *call, operand *o) {
     const mc_ops *ops = call->backend->ops;
     size_t bytes = (size_t)(o->span > 0 ? o->span : 1) * element_size(o->typenum);
-    o->device = ops->alloc(call->backend, bytes, &call->err);
+    char what[96];
+    snprintf(what, sizeof what, "%s's operand '%s'", call->op_name, o->arg);
+    o->device = ops->alloc(call->backend, bytes, what, &call->err);
     if (o->device == NULL) {
         mcpy_raise(&call->err);
         return -1;

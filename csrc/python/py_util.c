@@ -39,6 +39,7 @@ void mcpy_format_shape(char *buf, size_t size, int ndim, const int64_t *dims) {
 }
 
 PyObject *mcpy_no_memory(const char *what, size_t bytes) {
-    PyErr_Format(PyExc_MemoryError, "cannot allocate %s (%.1f MiB)", what, (double)bytes / (1024.0 * 1024.0));
-    return NULL;
+    mc_err err = {0}; /* through the core's writer: one format for every MemoryError */
+    mc_fail_nomem(&err, bytes, "%s", what);
+    return mcpy_raise(&err);
 }

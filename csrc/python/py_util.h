@@ -17,7 +17,8 @@
 PyObject *mcpy_raise(const mc_err *err);
 
 /* MemoryError naming what could not be allocated and its size (PyErr_NoMemory's
- * MemoryError has no message, which tells a user nothing). Returns NULL. */
+ * MemoryError has no message, which tells a user nothing), in mc_fail_nomem's
+ * format. Returns NULL. */
 PyObject *mcpy_no_memory(const char *what, size_t bytes);
 
 /* Ctrl-C polling from GIL-free C loops: the loop calls mcpy_cancel_check

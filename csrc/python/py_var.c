@@ -181,13 +181,13 @@ static PyObject *var_scale_inputs(PyVAR *self, PyObject *args) {
     const size_t host_bytes = (size_t)(N * max_rows * (C > c->vae_channels ? C : c->vae_channels)) * sizeof(float);
     float *d_map = NULL, *host = malloc(host_bytes);
     if (host == NULL)
-        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the scale input staging buffer (%zu bytes)", host_bytes);
+        st = mc_fail_nomem(&err, host_bytes, "the scale input staging buffer");
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK)
         st = mc_var_condition(var, PyArray_DATA(labels), N, &err);
-    if (st == MC_OK && (d_map = be->ops->alloc(be, (size_t)(N * max_rows * c->vae_channels) * sizeof(float), &err)) ==
-                           NULL)
+    if (st == MC_OK && (d_map = be->ops->alloc(be, (size_t)(N * max_rows * c->vae_channels) * sizeof(float),
+                                               "the scale input map", &err)) == NULL)
         st = err.status;
     for (int s = 0; s < n_scales && st == MC_OK; s++) {
         const int64_t n = c->patch_nums[s] * c->patch_nums[s], begin = c->scale_begin[s];
@@ -303,7 +303,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     const size_t host_bytes = (size_t)(N * max_rows * (C > V ? C : V)) * sizeof(float);
     float *host = malloc(host_bytes);
     if (host == NULL)
-        st = mc_fail(&err, MC_ERR_NOMEM, "cannot allocate the staging buffer of one scale (%zu bytes)", host_bytes);
+        st = mc_fail_nomem(&err, host_bytes, "the staging buffer of one scale");
     if (st == MC_OK)
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK) {

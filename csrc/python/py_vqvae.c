@@ -116,12 +116,12 @@ typedef struct call_buffers {
     int count;
 } call_buffers;
 
-static void *call_alloc(call_buffers *cb, size_t bytes, mc_err *err) {
+static void *call_alloc(call_buffers *cb, size_t bytes, const char *what, mc_err *err) {
     if (cb->count == VQ_MAX_BUFFERS) {
         mc_fail(err, MC_ERR_INTERNAL, "VQVAE binding: too many buffers in one call");
         return NULL;
     }
-    void *p = cb->be->ops->alloc(cb->be, bytes > 0 ? bytes : 1, err);
+    void *p = cb->be->ops->alloc(cb->be, bytes > 0 ? bytes : 1, what, err);
     if (p != NULL)
         cb->ptr[cb->count++] = p;
     return p;
@@ -198,7 +198,7 @@ static PyObject *vq_decode_impl(VQVAEObject *self, PyObject *obj, int as_uint8) 
     vq_call_begin(self, &call);
     vq_decode_ctx ctx = {self->vq, NULL, side, fhat_floats, &call.cancel};
     const size_t bytes = (size_t)(n * fhat_floats) * sizeof(float);
-    float *dev = n > 0 ? call_alloc(&call.cb, bytes, &err) : NULL;
+    float *dev = n > 0 ? call_alloc(&call.cb, bytes, "the f_hat maps to decode", &err) : NULL;
     if (n > 0 && dev == NULL)
         st = err.status;
     if (st == MC_OK && n > 0)
@@ -248,8 +248,10 @@ static PyObject *VQVAE_embed(VQVAEObject *self, PyObject *obj) {
         mc_backend *be = self->backend;
         vq_call call;
         vq_call_begin(self, &call);
-        int32_t *dev_idx = call_alloc(&call.cb, (size_t)rows * sizeof(int32_t), &err);
-        float *dev_out = dev_idx != NULL ? call_alloc(&call.cb, (size_t)(rows * z) * sizeof(float), &err) : NULL;
+        int32_t *dev_idx = call_alloc(&call.cb, (size_t)rows * sizeof(int32_t), "the token indices to embed", &err);
+        float *dev_out = dev_idx != NULL ? call_alloc(&call.cb, (size_t)(rows * z) * sizeof(float),
+                                                      "the embedded tokens", &err)
+                                         : NULL;
         st = dev_out != NULL ? MC_OK : err.status;
         if (st == MC_OK)
             st = be->ops->upload(be, dev_idx, PyArray_DATA(idx), (size_t)rows * sizeof(int32_t), &err);
@@ -367,9 +369,13 @@ static PyObject *VQVAE_idx_to_fhat(VQVAEObject *self, PyObject *args, PyObject *
             vq_call call;
             const size_t fhat_bytes = (size_t)(batch * side * side * z) * sizeof(float);
             vq_call_begin(self, &call);
-            float *f_hat = call_alloc(&call.cb, fhat_bytes, &err);
-            float *h = f_hat != NULL ? call_alloc(&call.cb, (size_t)(most_rows * z) * sizeof(float), &err) : NULL;
-            int32_t *dev_idx = h != NULL ? call_alloc(&call.cb, (size_t)most_rows * sizeof(int32_t), &err) : NULL;
+            float *f_hat = call_alloc(&call.cb, fhat_bytes, "the f_hat maps", &err);
+            float *h = f_hat != NULL ? call_alloc(&call.cb, (size_t)(most_rows * z) * sizeof(float),
+                                                  "the embedded tokens of the largest scale", &err)
+                                     : NULL;
+            int32_t *dev_idx = h != NULL ? call_alloc(&call.cb, (size_t)most_rows * sizeof(int32_t),
+                                                      "the token indices of the largest scale", &err)
+                                         : NULL;
             st = dev_idx != NULL ? MC_OK : err.status;
             /* f_hat starts at zero: the zeroed result array is the source. */
             if (st == MC_OK)
@@ -435,8 +441,8 @@ static PyObject *VQVAE_fhat_to_next(VQVAEObject *self, PyObject *args, PyObject 
         const size_t in_bytes = (size_t)(n * side * side * z) * sizeof(float);
         const size_t out_bytes = (size_t)(n * pn * pn * z) * sizeof(float);
         vq_call_begin(self, &call);
-        float *dev_in = call_alloc(&call.cb, in_bytes, &err);
-        float *dev_out = dev_in != NULL ? call_alloc(&call.cb, out_bytes, &err) : NULL;
+        float *dev_in = call_alloc(&call.cb, in_bytes, "the f_hat maps", &err);
+        float *dev_out = dev_in != NULL ? call_alloc(&call.cb, out_bytes, "the next scale's inputs", &err) : NULL;
         st = dev_out != NULL ? MC_OK : err.status;
         if (st == MC_OK)
             st = be->ops->upload(be, dev_in, PyArray_DATA(f_hat), in_bytes, &err);

@@ -54,7 +54,7 @@ static mc_status cfgfree_create(mc_mar *mar, const void *config, const mc_mar_ru
     MC_TRY(cfgfree_check(cfg, &mar->config, err));
     cfgfree_state *s = calloc(1, sizeof *s);
     if (s == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CfgFreeLate state");
+        return mc_fail_nomem(err, sizeof *s, "the CfgFreeLate state");
     s->after = cfg->after;
     mc_status st = mc_mar_inner_create(&s->inner, mar, &cfg->inner, run, err);
     if (st == MC_OK)

@@ -95,7 +95,8 @@ static mc_status make_tables(disa_state *s, mc_mar *mar, mc_err *err) {
     s->n_tables = s->cfg.start - s->cfg.end + 1;
     s->tables = calloc((size_t)s->n_tables, sizeof *s->tables);
     if (s->tables == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate DiSA's table list (%d entries)", s->n_tables);
+        return mc_fail_nomem_n(err, (size_t)s->n_tables, sizeof *s->tables, "DiSA's table list (%d entries)",
+                               s->n_tables);
     for (int step = 0; step < s->num_steps; step++) {
         const int i = schedule_index(&s->cfg, step, s->num_steps);
         if (i < 0 || i >= s->n_tables)
@@ -103,7 +104,7 @@ static mc_status make_tables(disa_state *s, mc_mar *mar, mc_err *err) {
         if (s->tables[i] != NULL)
             continue;
         if ((s->tables[i] = malloc(sizeof *s->tables[i])) == NULL)
-            return mc_fail(err, MC_ERR_NOMEM, "cannot allocate a DiSA respacing (%zu bytes)", sizeof(mc_diffusion));
+            return mc_fail_nomem(err, sizeof *s->tables[i], "DiSA's respacing to %d steps", s->cfg.end + i);
         MC_TRY(mc_diffusion_init_clipped(s->tables[i], s->cfg.end + i, s->cfg.clip, err));
         MC_TRY(mc_mar_prepare_time_embeddings(mar, s->tables[i]->timesteps, s->tables[i]->n_steps, err));
     }
@@ -116,7 +117,7 @@ static mc_status disa_create(mc_mar *mar, const void *config, const mc_mar_run_s
     MC_TRY(disa_check(cfg, &mar->config, err));
     disa_state *s = calloc(1, sizeof *s);
     if (s == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the DiSA state");
+        return mc_fail_nomem(err, sizeof *s, "the DiSA state");
     s->cfg = *cfg;
     s->num_steps = run->num_steps;
     mc_status st = make_tables(s, mar, err);

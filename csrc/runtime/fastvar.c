@@ -154,9 +154,9 @@ static void fastvar_free(void *state) {
     free(s);
 }
 
-static void *backend_alloc(fastvar_state *s, size_t bytes, mc_err *err) {
+static void *backend_alloc(fastvar_state *s, size_t bytes, const char *what, mc_err *err) {
     mc_backend *be = s->var->backend;
-    void *p = be->ops->alloc(be, bytes > 0 ? bytes : 1, err);
+    void *p = be->ops->alloc(be, bytes > 0 ? bytes : 1, what, err);
     if (p != NULL)
         s->backend_bytes += bytes;
     return p;
@@ -168,7 +168,7 @@ static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_ru
     MC_TRY(fastvar_check(config, c, err));
     fastvar_state *s = calloc(1, sizeof *s);
     if (s == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the FastVAR state");
+        return mc_fail_nomem(err, sizeof *s, "the FastVAR state");
     s->var = var;
     s->cfg = *(const mc_fastvar_config *)config;
     s->n_scales = c->n_scales;
@@ -189,22 +189,30 @@ static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_ru
             max_keep = kept_rows(n, s->cfg.prune[si]) > max_keep ? kept_rows(n, s->cfg.prune[si]) : max_keep;
         }
     *state = s;
-    s->kv_used = calloc((size_t)c->depth, sizeof *s->kv_used);
-    s->block_rows = calloc((size_t)(2 * c->depth), sizeof *s->block_rows);
-    s->trace_host = malloc((size_t)(s->n_seq * (max_keep > 0 ? max_keep : 1)) * sizeof(int32_t));
+    const size_t kv_used_bytes = (size_t)c->depth * sizeof *s->kv_used,
+                 block_rows_bytes = (size_t)(2 * c->depth) * sizeof *s->block_rows,
+                 trace_bytes = (size_t)(s->n_seq * (max_keep > 0 ? max_keep : 1)) * sizeof(int32_t);
+    s->kv_used = calloc(1, kv_used_bytes);
+    s->block_rows = calloc(1, block_rows_bytes);
+    s->trace_host = malloc(trace_bytes);
     if (s->kv_used == NULL || s->block_rows == NULL || s->trace_host == NULL) {
         fastvar_free(s);
         *state = NULL;
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the FastVAR host state");
+        return mc_fail_nomem(err, kv_used_bytes + block_rows_bytes + trace_bytes, "the FastVAR host state");
     }
     if (!s->pruning)
         return MC_OK;
     const int64_t S = s->n_seq, C = s->width, layers = s->layer_stop - s->layer_first;
-    s->cache = backend_alloc(s, (size_t)(layers * 2 * S * s->cache_tokens * C) * sizeof(float), err);
-    s->kept = s->cache ? backend_alloc(s, (size_t)(S * max_keep) * sizeof(int32_t), err) : NULL;
-    s->kept_x = s->kept ? backend_alloc(s, (size_t)(S * max_keep * C) * sizeof(float), err) : NULL;
-    s->kept_out = s->kept_x ? backend_alloc(s, (size_t)(S * max_keep * C) * sizeof(float), err) : NULL;
-    s->restored = s->kept_out ? backend_alloc(s, (size_t)(S * max_rows * C) * sizeof(float), err) : NULL;
+    s->cache = backend_alloc(s, (size_t)(layers * 2 * S * s->cache_tokens * C) * sizeof(float),
+                             "FastVAR's cache of the cached scale", err);
+    s->kept = s->cache ? backend_alloc(s, (size_t)(S * max_keep) * sizeof(int32_t), "FastVAR's kept rows", err) : NULL;
+    s->kept_x = s->kept ? backend_alloc(s, (size_t)(S * max_keep * C) * sizeof(float), "FastVAR's kept inputs", err)
+                        : NULL;
+    s->kept_out =
+        s->kept_x ? backend_alloc(s, (size_t)(S * max_keep * C) * sizeof(float), "FastVAR's kept outputs", err) : NULL;
+    s->restored = s->kept_out
+                      ? backend_alloc(s, (size_t)(S * max_rows * C) * sizeof(float), "FastVAR's restored rows", err)
+                      : NULL;
     if (s->restored == NULL) {
         fastvar_free(s);
         *state = NULL;

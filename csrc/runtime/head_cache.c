@@ -17,7 +17,7 @@ mc_status mc_head_cache_init(mc_head_cache_state *hc, mc_mar *mar, const mc_head
     hc->cfg = *cfg;
     hc->blocks = calloc((size_t)mar->config.head_depth, sizeof(float *));
     if (hc->blocks == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the head cache table");
+        return mc_fail_nomem_n(err, (size_t)mar->config.head_depth, sizeof(float *), "the head cache's block table");
     return MC_OK;
 }
 
@@ -42,7 +42,7 @@ mc_status mc_head_cache_reserve(mc_head_cache_state *hc, int64_t live_rows, mc_e
         if (hc->buffer != NULL)
             be->ops->release(be, hc->buffer);
         hc->buffer_floats = 0;
-        if ((hc->buffer = be->ops->alloc(be, need * sizeof(float), err)) == NULL)
+        if ((hc->buffer = be->ops->alloc(be, need * sizeof(float), "the diffusion head cache", err)) == NULL)
             return err->status;
         hc->buffer_floats = need;
     }
@@ -69,7 +69,8 @@ mc_status mc_head_cache_plan(mc_head_cache_state *hc, int64_t live_rows, int n_s
     if (hc->n_modes < n_steps) { /* grow-only: DiSA changes the step count between AR steps */
         mc_head_mode *fresh = realloc(hc->modes, (size_t)n_steps * sizeof *fresh);
         if (fresh == NULL)
-            return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the head schedule");
+            return mc_fail_nomem_n(err, (size_t)n_steps, sizeof *fresh, "the head cache's schedule of %d steps",
+                                   n_steps);
         hc->modes = fresh;
         hc->n_modes = n_steps;
     }

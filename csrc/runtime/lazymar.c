@@ -85,7 +85,7 @@ static mc_status lazymar_create(mc_mar *mar, const void *config, const mc_mar_ru
     MC_TRY(lazymar_check(cfg, c, err));
     lazymar_state *lz = calloc(1, sizeof *lz);
     if (lz == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the LazyMAR state");
+        return mc_fail_nomem(err, sizeof *lz, "the LazyMAR state");
     lz->cfg = *cfg;
     /* The token cache keeps decoder K/V only for the layers after the
      * selection layer: they are the ones that attend to a cache. */
@@ -93,8 +93,8 @@ static mc_status lazymar_create(mc_mar *mar, const void *config, const mc_mar_ru
                                       cfg->select_layer + 1, &cfg->head, err);
     const int64_t L = c->buffer_size + c->seq_len;
     for (int i = 0; st == MC_OK && cfg->token_cache && i < 2; i++)
-        if ((lz->select_v[i] = mc_mar_caches_buffer(&lz->tc, (size_t)(lz->tc.n_cache_seq * L * c->dec_width),
-                                                    err)) == NULL)
+        if ((lz->select_v[i] = mc_mar_caches_buffer(&lz->tc, (size_t)(lz->tc.n_cache_seq * L * c->dec_width), err,
+                                                    "LazyMAR's ranking V (%d of 2)", i + 1)) == NULL)
             st = err->status;
     if (st != MC_OK) {
         lazymar_free(lz);

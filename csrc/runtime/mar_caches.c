@@ -1,16 +1,28 @@
 #include "mar_caches.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "flops.h"
 #include "rows.h"
 
-float *mc_mar_caches_buffer(mc_mar_caches *tc, size_t floats, mc_err *err) {
+float *mc_mar_caches_buffer(mc_mar_caches *tc, size_t floats, mc_err *err, const char *what_fmt, ...) {
     mc_backend *be = tc->mar->backend;
-    float *p = be->ops->alloc(be, floats * sizeof(float), err);
+    char what[160];
+    va_list ap;
+    va_start(ap, what_fmt);
+    vsnprintf(what, sizeof what, what_fmt, ap);
+    va_end(ap);
+    size_t bytes;
+    if (mc_mul_overflows(floats, sizeof(float), &bytes)) {
+        mc_fail_nomem_n(err, floats, sizeof(float), "%s", what);
+        return NULL;
+    }
+    float *p = be->ops->alloc(be, bytes, what, err);
     if (p != NULL)
-        tc->bytes += floats * sizeof(float);
+        tc->bytes += bytes;
     return p;
 }
 
@@ -89,13 +101,18 @@ mc_status mc_mar_caches_init(mc_mar_caches *tc, mc_mar *mar, const mc_mar_run_sh
     tc->cond_cache = cond_cache && run->cfg_on;
     tc->n_cache_seq = (run->cfg_on && !tc->cond_cache) ? 2 * run->n_images : run->n_images;
     const int64_t L = c->buffer_size + c->seq_len, nc = tc->n_cache_seq;
-    tc->prev_pred = malloc((size_t)(run->n_images * c->seq_len) * sizeof(int32_t));
-    tc->scores_host = malloc((size_t)(nc * L) * sizeof(float));
-    tc->order = malloc((size_t)L * sizeof(int32_t));
+    const size_t prev_bytes = (size_t)(run->n_images * c->seq_len) * sizeof(int32_t),
+                 scores_bytes = (size_t)(nc * L) * sizeof(float), order_bytes = (size_t)L * sizeof(int32_t),
+                 kept_bytes = (size_t)(nc * L) * sizeof(int32_t);
+    tc->prev_pred = malloc(prev_bytes);
+    tc->scores_host = malloc(scores_bytes);
+    tc->order = malloc(order_bytes);
     tc->taken = malloc((size_t)L);
-    tc->kept = malloc((size_t)(nc * L) * sizeof(int32_t));
+    tc->kept = malloc(kept_bytes);
     mc_status st = (tc->prev_pred && tc->scores_host && tc->order && tc->taken && tc->kept)
-                       ? MC_OK : mc_fail(err, MC_ERR_NOMEM, "cannot allocate the cache policy state");
+                       ? MC_OK
+                       : mc_fail_nomem(err, prev_bytes + scores_bytes + order_bytes + (size_t)L + kept_bytes,
+                                       "the cache policy's host state for %lld sequences", (long long)nc);
     if (st == MC_OK)
         st = mc_head_cache_init(&tc->head, mar, head, err);
     if (st == MC_OK && (encoder_cache || token_tables)) {
@@ -104,27 +121,36 @@ mc_status mc_mar_caches_init(mc_mar_caches *tc, mc_mar *mar, const mc_mar_run_sh
         tc->dec_k = calloc((size_t)c->dec_depth, sizeof(float *));
         tc->dec_v = calloc((size_t)c->dec_depth, sizeof(float *));
         if (!tc->enc_k || !tc->enc_v || !tc->dec_k || !tc->dec_v)
-            st = mc_fail(err, MC_ERR_NOMEM, "cannot allocate the cache tables");
+            st = mc_fail_nomem_n(err, (size_t)(2 * (c->enc_depth + c->dec_depth)), sizeof(float *),
+                                 "the K/V cache tables");
     }
     if (st == MC_OK && encoder_cache) {
         for (int64_t i = 0; st == MC_OK && i < c->enc_depth; i++) {
-            tc->enc_k[i] = mc_mar_caches_buffer(tc, (size_t)(nc * L * c->width), err);
-            tc->enc_v[i] = tc->enc_k[i] ? mc_mar_caches_buffer(tc, (size_t)(nc * L * c->width), err) : NULL;
+            tc->enc_k[i] = mc_mar_caches_buffer(tc, (size_t)(nc * L * c->width), err, "encoder block %lld's K cache",
+                                                (long long)i);
+            tc->enc_v[i] = tc->enc_k[i] ? mc_mar_caches_buffer(tc, (size_t)(nc * L * c->width), err,
+                                                               "encoder block %lld's V cache", (long long)i)
+                                        : NULL;
             if (tc->enc_v[i] == NULL)
                 st = err->status;
         }
-        if (st == MC_OK && (tc->dec_input = mc_mar_caches_buffer(tc, (size_t)(nc * L * c->dec_width), err)) == NULL)
+        if (st == MC_OK && (tc->dec_input = mc_mar_caches_buffer(tc, (size_t)(nc * L * c->dec_width), err,
+                                                                 "the cached decoder input")) == NULL)
             st = err->status;
     }
     /* Decoder K/V only for the layers that attend to a cache. */
     for (int64_t i = first_cached_layer; st == MC_OK && token_tables && i < c->dec_depth; i++) {
-        tc->dec_k[i] = mc_mar_caches_buffer(tc, (size_t)(nc * L * c->dec_width), err);
-        tc->dec_v[i] = tc->dec_k[i] ? mc_mar_caches_buffer(tc, (size_t)(nc * L * c->dec_width), err) : NULL;
+        tc->dec_k[i] = mc_mar_caches_buffer(tc, (size_t)(nc * L * c->dec_width), err, "decoder block %lld's K cache",
+                                            (long long)i);
+        tc->dec_v[i] = tc->dec_k[i] ? mc_mar_caches_buffer(tc, (size_t)(nc * L * c->dec_width), err,
+                                                           "decoder block %lld's V cache", (long long)i)
+                                    : NULL;
         if (tc->dec_v[i] == NULL)
             st = err->status;
     }
     if (st == MC_OK && tc->cond_cache &&
-        (tc->cond_diff = mc_mar_caches_buffer(tc, (size_t)(run->n_images * L * c->dec_width), err)) == NULL)
+        (tc->cond_diff = mc_mar_caches_buffer(tc, (size_t)(run->n_images * L * c->dec_width), err,
+                                              "the condition cache's difference")) == NULL)
         st = err->status;
     if (st != MC_OK)
         mc_mar_caches_release(tc);
@@ -142,7 +168,8 @@ static mc_status emit_outputs(mc_mar_caches *tc, const mc_mar_step *s, const flo
     const int uncond_rows = s->cfg_on ? 1 : 0;
     int32_t *host = malloc((size_t)(n * 3 + 1) * sizeof(int32_t));
     if (host == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate output indices");
+        return mc_fail_nomem_n(err, (size_t)(n * 3 + 1), sizeof(int32_t), "the output row indices of %lld rows",
+                               (long long)n);
     int32_t *src = host, *pos = host + n, *extra = host + 2 * n;
     for (int half = 0; half <= uncond_rows; half++) {
         const int from_cache = half == 1 && tc->cond_cache;
@@ -266,7 +293,8 @@ static mc_status encoder_phase(mc_mar_caches *tc, const mc_mar_step *s, float *f
     const int64_t p = tc->n_prev;
     int32_t *host = malloc((size_t)(nc * (P + p + 1) + nc * (p + 1)) * sizeof(int32_t));
     if (host == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate encoder slots");
+        return mc_fail_nomem_n(err, (size_t)(nc * (P + p + 1) + nc * (p + 1)), sizeof(int32_t),
+                               "the encoder's cache slots of %lld sequences", (long long)nc);
     int32_t *slots = host, *new_pos = host + nc * (P + p + 1);
     for (int64_t q = 0; q < nc; q++) {
         for (int64_t r = 0; r < P; r++)

@@ -63,8 +63,13 @@ void mc_mar_caches_free_state(void *state);
      .create = prefix##_create, .plan = mc_mar_caches_plan, .transformer = prefix##_transformer,              \
      .head_plan = mc_mar_caches_head_plan, .cache_bytes = mc_mar_caches_cache_bytes, .free = free_state}
 /* A backend buffer counted in the cache bytes (freed by mc_mar_caches_release
- * only if stored in one of the struct's fields; policies release their own). */
-float *mc_mar_caches_buffer(mc_mar_caches *tc, size_t floats, mc_err *err);
+ * only if stored in one of the struct's fields; policies release their own).
+ * what_fmt names it (printf-style) in an out-of-memory message. */
+float *mc_mar_caches_buffer(mc_mar_caches *tc, size_t floats, mc_err *err, const char *what_fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
 
 /* A full step: the plain model, filling every cache. `select_v` (or NULL)
  * replaces decoder layer `select_layer`'s V store (LazyMAR's ranking V). */

@@ -266,7 +266,7 @@ mc_status mc_mar_run_new(mc_mar *mar, const mc_diffusion *diffusion, const mc_ma
         return mc_fail(err, MC_ERR_VALUE, "seq_len %lld exceeds %d", (long long)S, MC_PHILOX_ORDER_MAX);
     mc_mar_run *r = calloc(1, sizeof *r);
     if (r == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the sampler state");
+        return mc_fail_nomem(err, sizeof *r, "the MAR sampler state");
     r->mar = mar;
     r->diffusion = diffusion;
     r->args = *args;
@@ -275,6 +275,9 @@ mc_status mc_mar_run_new(mc_mar *mar, const mc_diffusion *diffusion, const mc_ma
     r->cfg_on = args->cfg != 1.0;
     r->Bp = r->cfg_on ? 2 * B : B;
     const int64_t Bp = r->Bp;
+    /* per image: 4-byte orders, pred_pos, images, positions and a mask byte;
+     * per sequence (both CFG halves): known_pos, out_rows, scatter and a class */
+    const size_t per_image = (size_t)S * (4 * sizeof(int32_t) + 1), per_seq = (size_t)S * 3 * sizeof(int32_t) + 4;
     r->orders = malloc((size_t)(B * S) * sizeof(int32_t));
     r->masked = malloc((size_t)(B * S));
     r->known_pos = malloc((size_t)(Bp * S) * sizeof(int32_t));
@@ -288,7 +291,8 @@ mc_status mc_mar_run_new(mc_mar *mar, const mc_diffusion *diffusion, const mc_ma
     if (!r->orders || !r->masked || !r->known_pos || !r->pred_pos || !r->out_rows || !r->class_ids ||
         !r->images || !r->positions || !r->scatter || !r->zeros) {
         mc_mar_run_free(r);
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate sampler state for %lld images", (long long)B);
+        return mc_fail_nomem(err, (size_t)B * per_image + (size_t)Bp * per_seq + (size_t)(S * C) * sizeof(float),
+                             "the MAR sampler's host state for %lld images", (long long)B);
     }
     *out = r;
     return MC_OK;

@@ -13,7 +13,7 @@ mc_mar_runtime_acts *mc_mar_runtime_acts_of(mc_mar *mar, mc_err *err) {
         return mar->runtime.data;
     mc_mar_runtime_acts *acts = calloc(1, sizeof *acts);
     if (acts == NULL) {
-        mc_fail(err, MC_ERR_NOMEM, "MAR runtime workspace: %zu bytes of host memory", sizeof *acts);
+        mc_fail_nomem(err, sizeof *acts, "the MAR runtime's workspace table");
         return NULL;
     }
     mar->runtime.data = acts;

@@ -67,7 +67,7 @@ static mc_status marche_create(mc_mar *mar, const void *config, const mc_mar_run
     MC_TRY(marche_check(cfg, &mar->config, err));
     marche_state *mc = calloc(1, sizeof *mc);
     if (mc == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the MARche state");
+        return mc_fail_nomem(err, sizeof *mc, "the MARche state");
     mc->cfg = *cfg;
     /* Decoder K/V for the layers after the full prefix: they attend to a cache. */
     mc_status st = mc_mar_caches_init(&mc->tc, mar, run, cfg->encoder_cache, cfg->cond_cache, 1, cfg->full_layers,
@@ -102,7 +102,9 @@ static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, in
     int32_t *d_rows = MC_POLICY_INTS(tc, rows, (size_t)(nc * ng + 1), err);
     if (q_gen == NULL || rows == NULL || d_rows == NULL) {
         free(rows);
-        return rows == NULL ? mc_fail(err, MC_ERR_NOMEM, "cannot allocate query rows") : err->status;
+        return rows == NULL ? mc_fail_nomem_n(err, (size_t)(nc * ng + 1), sizeof(int32_t),
+                                              "MARche's query row indices of %lld sequences", (long long)nc)
+                            : err->status;
     }
     for (int64_t q = 0; q < nc; q++)
         for (int64_t i = 0; i < ng; i++)

@@ -38,7 +38,7 @@ static mc_status nocache_create(mc_mar *mar, const void *config, const mc_mar_ru
     (void)config, (void)run;
     nocache_state *s = calloc(1, sizeof *s);
     if (s == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the NoCache state");
+        return mc_fail_nomem(err, sizeof *s, "the NoCache state");
     s->mar = mar;
     *state = s;
     return MC_OK;

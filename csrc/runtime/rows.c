@@ -58,7 +58,8 @@ mc_status mc_rows_gather(mc_mar *mar, const float *f, int64_t n_seq, int64_t seq
     int32_t *gather = malloc((size_t)(n_seq * keep + 1) * sizeof(int32_t));
     int32_t *d_gather = mc_buffer_ints(be, index_rows, (size_t)(n_seq * keep), "policy.rows", err);
     if (gather == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate gather indices");
+        return mc_fail_nomem_n(err, (size_t)(n_seq * keep + 1), sizeof(int32_t), "the gather indices of %lld rows",
+                               (long long)(n_seq * keep));
     for (int64_t q = 0; q < n_seq; q++)
         for (int64_t i = 0; i < keep; i++)
             gather[q * keep + i] = (int32_t)(q * seq_rows + kept[q * keep + i]);

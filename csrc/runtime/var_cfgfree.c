@@ -62,7 +62,7 @@ static mc_status var_cfgfree_create(mc_var *var, const void *config, const mc_va
     MC_TRY(var_cfgfree_check(cfg, &var->config, err));
     var_cfgfree_state *s = calloc(1, sizeof *s);
     if (s == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the VAR CfgFreeLate state");
+        return mc_fail_nomem(err, sizeof *s, "the VAR CfgFreeLate state");
     s->after = cfg->after;
     s->n_scales = var->config.n_scales;
     s->cfg_on = run->cfg_on;

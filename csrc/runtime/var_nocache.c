@@ -36,7 +36,7 @@ static mc_status var_nocache_create(mc_var *var, const void *config, const mc_va
     (void)config, (void)run;
     var_nocache_state *s = calloc(1, sizeof *s);
     if (s == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the VAR NoCache state");
+        return mc_fail_nomem(err, sizeof *s, "the VAR NoCache state");
     s->var = var;
     *state = s;
     return MC_OK;

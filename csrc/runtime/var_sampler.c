@@ -45,12 +45,12 @@ struct mc_var_run {
     mc_var_step_tail tail;
 };
 
-static void *run_alloc(mc_var_run *r, mc_backend *be, size_t bytes, mc_err *err) {
+static void *run_alloc(mc_var_run *r, mc_backend *be, size_t bytes, const char *what, mc_err *err) {
     if (r->n_buffers == VAR_RUN_MAX_BUFFERS) {
         mc_fail(err, MC_ERR_INTERNAL, "VAR run: more than %d buffers", VAR_RUN_MAX_BUFFERS);
         return NULL;
     }
-    void *p = be->ops->alloc(be, bytes > 0 ? bytes : 1, err);
+    void *p = be->ops->alloc(be, bytes > 0 ? bytes : 1, what, err);
     if (p != NULL) {
         r->owner[r->n_buffers] = be;
         r->buffer[r->n_buffers++] = p;
@@ -123,7 +123,7 @@ mc_status mc_var_run_new(mc_var *var, mc_vqvae *vq, mc_backend *vq_backend, cons
     const mc_var_config *c = &var->config;
     mc_var_run *r = calloc(1, sizeof *r);
     if (r == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the VAR sampler state");
+        return mc_fail_nomem(err, sizeof *r, "the VAR sampler state");
     r->var = var;
     r->vq = vq;
     r->be = var->backend;
@@ -143,15 +143,18 @@ mc_status mc_var_run_new(mc_var *var, mc_vqvae *vq, mc_backend *vq_backend, cons
         if (c->patch_nums[si] * c->patch_nums[si] > r->max_tokens)
             r->max_tokens = c->patch_nums[si] * c->patch_nums[si];
     const int64_t B = r->B, rows = B * r->max_tokens;
-    r->seq_labels = malloc((size_t)r->S * sizeof(int32_t));
-    r->images = malloc((size_t)rows * sizeof(uint32_t));
-    r->positions = malloc((size_t)rows * sizeof(uint32_t));
-    r->stage = malloc((size_t)(rows * r->Cvae) * sizeof(float));
-    r->tokens_host = malloc((size_t)(B * c->tokens) * sizeof(int32_t));
+    const size_t labels_bytes = (size_t)r->S * sizeof(int32_t), index_bytes = (size_t)rows * sizeof(uint32_t),
+                 stage_bytes = (size_t)(rows * r->Cvae) * sizeof(float),
+                 tokens_bytes = (size_t)(B * c->tokens) * sizeof(int32_t);
+    r->seq_labels = malloc(labels_bytes);
+    r->images = malloc(index_bytes);
+    r->positions = malloc(index_bytes);
+    r->stage = malloc(stage_bytes);
+    r->tokens_host = malloc(tokens_bytes);
     if (!r->seq_labels || !r->images || !r->positions || !r->stage || !r->tokens_host) {
         mc_var_run_free(r);
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the VAR sampler's host state for %lld images",
-                       (long long)B);
+        return mc_fail_nomem(err, labels_bytes + 2 * index_bytes + stage_bytes + tokens_bytes,
+                             "the VAR sampler's host state for %lld images", (long long)B);
     }
     for (int64_t b = 0; b < B; b++) {
         r->seq_labels[b] = args->labels[b] < 0 ? (int32_t)c->num_classes : args->labels[b];
@@ -177,27 +180,32 @@ static mc_status run_begin(void *opaque, int *num_steps, mc_err *err) {
     r->unguided = 0;
     r->scales_run = 0;
     MC_TRY(mc_var_reserve(var, r->S, r->max_tokens, err));
-    r->d_tokens = run_alloc(r, r->be, (size_t)(L * B) * sizeof(int32_t), err);
-    r->d_images = r->d_tokens ? run_alloc(r, r->be, (size_t)rows * sizeof(uint32_t), err) : NULL;
-    r->d_positions = r->d_images ? run_alloc(r, r->be, (size_t)rows * sizeof(uint32_t), err) : NULL;
-    r->d_h = r->d_positions ? run_alloc(r, r->be, map_bytes, err) : NULL;
-    r->d_next = r->d_h ? run_alloc(r, r->be, map_bytes, err) : NULL;
-    r->q_f_hat = r->d_next ? run_alloc(r, r->vq_be, f_hat_bytes, err) : NULL;
+    r->d_tokens = run_alloc(r, r->be, (size_t)(L * B) * sizeof(int32_t), "the VAR run's tokens", err);
+    r->d_images = r->d_tokens ? run_alloc(r, r->be, (size_t)rows * sizeof(uint32_t), "the VAR run's image indices", err)
+                              : NULL;
+    r->d_positions =
+        r->d_images ? run_alloc(r, r->be, (size_t)rows * sizeof(uint32_t), "the VAR run's positions", err) : NULL;
+    r->d_h = r->d_positions ? run_alloc(r, r->be, map_bytes, "the VAR run's h map", err) : NULL;
+    r->d_next = r->d_h ? run_alloc(r, r->be, map_bytes, "the VAR run's next-scale input", err) : NULL;
+    r->q_f_hat = r->d_next ? run_alloc(r, r->vq_be, f_hat_bytes, "the VAR run's f_hat", err) : NULL;
     if (r->q_f_hat == NULL)
         return err->status;
-    if (r->args.more_smooth && (r->d_probs = run_alloc(r, r->be, (size_t)(rows * r->V) * sizeof(float), err)) == NULL)
+    if (r->args.more_smooth && (r->d_probs = run_alloc(r, r->be, (size_t)(rows * r->V) * sizeof(float),
+                                                       "the VAR run's smoothed probabilities", err)) == NULL)
         return err->status;
     if (r->shared) {
         r->q_h = r->d_h;
         r->q_next = r->d_next;
         r->codebook = mc_vqvae_codebook(r->vq);
     } else {
-        r->q_h = run_alloc(r, r->vq_be, map_bytes, err);
-        r->q_next = r->q_h ? run_alloc(r, r->vq_be, map_bytes, err) : NULL;
-        float *codebook = r->q_next ? run_alloc(r, r->be, (size_t)(r->V * r->Cvae) * sizeof(float), err) : NULL;
+        r->q_h = run_alloc(r, r->vq_be, map_bytes, "the VQVAE's copy of the h map", err);
+        r->q_next = r->q_h ? run_alloc(r, r->vq_be, map_bytes, "the VQVAE's copy of the next-scale input", err) : NULL;
+        float *codebook = r->q_next ? run_alloc(r, r->be, (size_t)(r->V * r->Cvae) * sizeof(float),
+                                                "the codebook on the transformer's device", err)
+                                    : NULL;
         float *host = codebook ? malloc((size_t)(r->V * r->Cvae) * sizeof(float)) : NULL;
         if (codebook != NULL && host == NULL)
-            mc_fail(err, MC_ERR_NOMEM, "cannot allocate the codebook's host copy");
+            mc_fail_nomem_n(err, (size_t)(r->V * r->Cvae), sizeof(float), "the codebook's host copy");
         mc_status st = host ? MC_OK : err->status;
         if (st == MC_OK)
             st = r->vq_be->ops->download(r->vq_be, host, mc_vqvae_codebook(r->vq),

@@ -84,7 +84,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
     const size_t per_thread =
         (size_t)(nq * total_keys) + (rounded ? (size_t)((nq + 2 * total_keys) * head_dim) : 0);
     for (int t = 0; t < threads; t++) {
-        scores[t] = mc_cpu_scratch(be, t, per_thread, err);
+        scores[t] = mc_cpu_scratch(be, t, per_thread, "a thread's attention scores", err);
         if (scores[t] == NULL)
             return err->status;
     }
@@ -138,7 +138,7 @@ mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int h
         threads = 64;
     float *scores[64];
     for (int t = 0; t < threads; t++) {
-        scores[t] = mc_cpu_scratch(be, t, (size_t)(nq * keys + 1), err);
+        scores[t] = mc_cpu_scratch(be, t, (size_t)(nq * keys + 1), "a thread's attention_mass scores", err);
         if (scores[t] == NULL)
             return err->status;
     }

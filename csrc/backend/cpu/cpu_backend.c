@@ -77,7 +77,7 @@ const char *mc_cpu_blas_core(void) { return scipy_openblas_get_corename(); }
 
 int mc_cpu_threads(mc_backend *be) { return ((cpu_state *)be->impl)->num_threads; }
 
-float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err) {
+float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what, mc_err *err) {
     cpu_state *st = be->impl;
     if (slot < 0 || slot >= MC_CPU_SCRATCH_SLOTS) {
         mc_fail(err, MC_ERR_INTERNAL, "scratch slot %d out of range", slot);
@@ -85,13 +85,9 @@ float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err) {
     }
     if (st->scratch_floats[slot] < floats) {
         size_t bytes;
-        if (mc_mul_overflows(floats, sizeof(float), &bytes)) {
-            mc_fail(err, MC_ERR_NOMEM, "scratch request of %zu floats overflows", floats);
-            return NULL;
-        }
-        float *fresh = mc_aligned_alloc(bytes);
+        float *fresh = mc_mul_overflows(floats, sizeof(float), &bytes) ? NULL : mc_aligned_alloc(bytes);
         if (fresh == NULL) {
-            mc_fail(err, MC_ERR_NOMEM, "cannot allocate %zu bytes of CPU scratch", bytes);
+            mc_fail_nomem_n(err, floats, sizeof(float), "%s in CPU scratch slot %d", what, slot);
             return NULL;
         }
         mc_aligned_free(st->scratch[slot]);
@@ -102,10 +98,10 @@ float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, mc_err *err) {
     return st->scratch[slot];
 }
 
-static void *cpu_alloc(mc_backend *be, size_t bytes, mc_err *err) {
+static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
     void *p = mc_aligned_alloc(bytes);
     if (p == NULL)
-        mc_fail(err, MC_ERR_NOMEM, "cannot allocate %zu bytes of host memory", bytes);
+        mc_fail_nomem(err, bytes, "%s", what);
     else
         be->allocations++;
     return p;
@@ -164,7 +160,7 @@ mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) 
     if (be == NULL || st == NULL) {
         free(be);
         free(st);
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CPU backend");
+        return mc_fail_nomem(err, sizeof *be + sizeof *st, "the CPU backend");
     }
     st->num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     /* GEMMs are threaded by mc_cpu_sgemm; OpenBLAS's own pool stays idle.

@@ -127,7 +127,7 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
      * catastrophically when the variance is ~0 and scale ~ 1/sqrt(eps).) */
     size_t doubles = (size_t)(nblocks + 1) * (size_t)channels;
     size_t floats = 2 * doubles + 3 * (size_t)channels;
-    float *scratch = mc_cpu_scratch(be, MC_GN_SCRATCH_SLOT, floats, err);
+    float *scratch = mc_cpu_scratch(be, MC_GN_SCRATCH_SLOT, floats, "groupnorm's sums and coefficients", err);
     if (scratch == NULL)
         return err->status;
     double *partial = (double *)scratch;

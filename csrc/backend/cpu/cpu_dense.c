@@ -65,8 +65,8 @@ static mc_status widen_linear_operands(mc_backend *be, const float *x, int64_t l
                                        int64_t in, const void *w, int64_t out, const float **x_used,
                                        const float **w_used, mc_err *err) {
     const mc_wtype wt = be->linear_wtype;
-    float *wf = mc_cpu_scratch(be, MC_LINEAR_W_SLOT, (size_t)(out * in), err);
-    float *xf = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in), err);
+    float *wf = mc_cpu_scratch(be, MC_LINEAR_W_SLOT, (size_t)(out * in), "a 16-bit linear weight widened", err);
+    float *xf = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in), "a 16-bit linear's rounded input", err);
     if (wf == NULL || xf == NULL)
         return err->status;
     const uint16_t *wh = w;
@@ -352,7 +352,9 @@ mc_status mc_cpu_pivotal_rows(mc_backend *be, const float *x, int64_t ldx, int64
         free(mean);
         free(order);
         free(kept);
-        return mc_fail(err, MC_ERR_NOMEM, "pivotal_rows: cannot allocate the scores of %lld rows", (long long)rows);
+        return mc_fail_nomem(err,
+                             (size_t)(dim > 0 ? dim : 1) * sizeof(double) + (size_t)rows * (sizeof(pivotal_entry) + 1),
+                             "pivotal_rows' mean and ranking of %lld rows", (long long)rows);
     }
     for (int64_t b = 0; b < batch; b++) {
         const float *xb = x + b * rows * ldx;

@@ -53,7 +53,8 @@ static inline mc_status mc_cpu_plan_chunks(mc_backend *be, int64_t total_rows, i
         *threads = (int)n;
     *nchunks = n;
     for (int t = 0; t < *threads && floats_per_row > 0; t++) {
-        cols[t] = mc_cpu_scratch(be, t, (size_t)(*rows_per_chunk * floats_per_row), err);
+        cols[t] = mc_cpu_scratch(be, t, (size_t)(*rows_per_chunk * floats_per_row), "a thread's im2col columns",
+                                 err);
         if (cols[t] == NULL)
             return err->status;
     }

@@ -71,7 +71,7 @@ mc_status mc_cpu_resize_bicubic(mc_backend *be, const float *x, int64_t batch, i
         return MC_OK;
     /* The column taps of every output column: 4 indices (as 2 floats each)
      * and 4 weights, computed once. */
-    float *table = mc_cpu_scratch(be, 0, (size_t)(12 * out_w), err);
+    float *table = mc_cpu_scratch(be, 0, (size_t)(12 * out_w), "resize_bicubic's column taps", err);
     if (table == NULL)
         return err->status;
     int64_t *col_idx = (int64_t *)table;

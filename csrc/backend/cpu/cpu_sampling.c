@@ -60,7 +60,7 @@ static mc_status thread_scratch(mc_backend *be, int64_t rows, size_t per_thread,
     if (n < 1)
         n = 1;
     for (int t = 0; t < n; t++) {
-        scratch[t] = mc_cpu_scratch(be, t, per_thread, err);
+        scratch[t] = mc_cpu_scratch(be, t, per_thread, "a thread's sampling buffer", err);
         if (scratch[t] == NULL)
             return err->status;
     }

@@ -290,7 +290,8 @@ mc_status mc_cpu_resize_bilinear_tf1(mc_backend *be, const void *x, mc_pixel_typ
     /* Grid: lo/hi as int64 (2 floats each) and frac, per output column and row. */
     const size_t grid_floats = (size_t)(5 * (out_h + out_w));
     const size_t row_floats = (size_t)(in_w * channels);
-    float *scratch = mc_cpu_scratch(be, 0, grid_floats + 2 * row_floats * (size_t)threads, err);
+    float *scratch = mc_cpu_scratch(be, 0, grid_floats + 2 * row_floats * (size_t)threads,
+                                    "resize_bilinear_tf1's grid and rows", err);
     if (scratch == NULL)
         return err->status;
     int64_t *lo_x = (int64_t *)scratch, *hi_x = lo_x + out_w;

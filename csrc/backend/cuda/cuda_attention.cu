@@ -668,7 +668,8 @@ mc_status mc_cuda_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int 
     const int64_t rows = batch * heads * nq;
     float2 *stats = NULL;
     if (rows > 0) {
-        stats = (float2 *)mc_cuda_scratch(be, MC_CUDA_SLOT_STATS, (size_t)rows * sizeof(float2), err);
+        stats = (float2 *)mc_cuda_scratch(be, MC_CUDA_SLOT_STATS, (size_t)rows * sizeof(float2),
+                                            "attention's per-row statistics", err);
         if (stats == NULL)
             return err->status;
         const int warps = 4;

@@ -19,9 +19,24 @@
 
 mc_status mc_cuda_fail(cudaError_t code, const char *call, mc_err *err) {
     (void)cudaGetLastError(); /* clear it: the next launch check must not see it again */
-    mc_status status = code == cudaErrorMemoryAllocation ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
-    return mc_fail(err, status, "cuda: %s failed: %s (%s)", call, cudaGetErrorString(code),
-                   cudaGetErrorName(code));
+    char why[256];
+    snprintf(why, sizeof why, "%s (%s)", cudaGetErrorString(code), cudaGetErrorName(code));
+    /* Our own allocations report their size (mc_cuda_fail_alloc); this is a
+     * call that allocates inside the runtime (a stream, a graph, a launch's
+     * resources) and tells us only that it failed. */
+    if (code == cudaErrorMemoryAllocation)
+        return mc_fail_nomem_unsized(err, why, "what the CUDA runtime's %s needed", call);
+    return mc_fail(err, MC_ERR_INTERNAL, "cuda: %s failed: %s", call, why);
+}
+
+mc_status mc_cuda_fail_alloc(cudaError_t code, const char *call, size_t bytes, const char *what,
+                             mc_err *err) {
+    if (code != cudaErrorMemoryAllocation)
+        return mc_cuda_fail(code, call, err);
+    (void)cudaGetLastError();
+    char why[256];
+    snprintf(why, sizeof why, "%s: %s (%s)", call, cudaGetErrorString(code), cudaGetErrorName(code));
+    return mc_fail_nomem_because(err, bytes, why, "%s", what);
 }
 
 int mc_cuda_sync_launches(void) {
@@ -33,10 +48,15 @@ int mc_cuda_sync_launches(void) {
 }
 
 mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err) {
-    mc_status status = code == CUBLAS_STATUS_ALLOC_FAILED ? MC_ERR_NOMEM : MC_ERR_INTERNAL;
     /* Every cuBLAS call goes through the table, so it is loaded here. */
-    return mc_fail(err, status, "cublas: %s failed: %s (%s)", call,
-                   mc_cublas.get_status_string(code), mc_cublas.get_status_name(code));
+    char why[256];
+    snprintf(why, sizeof why, "%s (%s)", mc_cublas.get_status_string(code),
+             mc_cublas.get_status_name(code));
+    /* cuBLAS allocates inside the call (a handle, its own buffers) and does
+     * not say how much; the GEMMs' workspace is ours and sized. */
+    if (code == CUBLAS_STATUS_ALLOC_FAILED)
+        return mc_fail_nomem_unsized(err, why, "what cuBLAS's %s needed", call);
+    return mc_fail(err, MC_ERR_INTERNAL, "cublas: %s failed: %s", call, why);
 }
 
 mc_status mc_cuda_enter(mc_backend *be, mc_err *err) {
@@ -112,7 +132,7 @@ static mc_status device_alloc(void *ctx, size_t bytes, void **out, mc_err *err) 
     if (previous >= 0 && previous != device)
         (void)cudaSetDevice(previous);
     if (code != cudaSuccess)
-        return mc_cuda_fail(code, "cudaMalloc", err);
+        return mc_cuda_fail_alloc(code, "cudaMalloc", bytes, "a block of device memory", err);
     return MC_OK;
 }
 
@@ -165,7 +185,7 @@ static mc_status refuse_while_recording(cuda_state *st, const char *what, mc_err
     return mc_fail(err, MC_ERR_INTERNAL, "cuda: %s while recording a graph", what);
 }
 
-static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
+static void *cuda_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
     cuda_state *st = cuda_st(be);
     if (refuse_while_recording(st, "allocation", err) != MC_OK || mc_cuda_enter(be, err) != MC_OK)
         return NULL;
@@ -173,16 +193,15 @@ static void *cuda_alloc(mc_backend *be, size_t bytes, mc_err *err) {
      * answer to absurd sizes is not documented (an allocator may assert on
      * them); the message is the same out-of-memory one. */
     if (bytes > st->total_mem) {
-        mc_fail(err, MC_ERR_NOMEM,
-                "cuda: cannot allocate %zu bytes of device memory on device %d (the device has "
-                "%zu bytes)",
-                bytes, st->device, st->total_mem);
+        char total[96];
+        snprintf(total, sizeof total, "the device has %zu bytes", st->total_mem);
+        mc_fail_nomem_because(err, bytes, total, "%s on device %d", what, st->device);
         return NULL;
     }
     /* A 0-byte request gets a valid, distinct pointer too (a class of 512
      * bytes); out of memory after the pool's trim and retry is
      * MC_ERR_NOMEM naming the request and what the device's pool holds. */
-    void *p = mc_devpool_alloc(st->pool_owner, bytes, err);
+    void *p = mc_devpool_alloc(st->pool_owner, bytes, what, err);
     if (p == NULL)
         return NULL;
     be->allocations++;
@@ -222,14 +241,14 @@ static void cuda_release(mc_backend *be, void *ptr) {
     mc_devpool_free(st->pool_owner, ptr);
 }
 
-void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err) {
+void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, const char *what, mc_err *err) {
     cuda_state *st = cuda_st(be);
     if (slot < 0 || slot >= MC_CUDA_SCRATCH_SLOTS) {
         mc_fail(err, MC_ERR_INTERNAL, "cuda: scratch slot %d out of range", slot);
         return NULL;
     }
     if (st->scratch_bytes[slot] < bytes || st->scratch[slot] == NULL) {
-        void *fresh = cuda_alloc(be, bytes, err);
+        void *fresh = cuda_alloc(be, bytes, what, err);
         if (fresh == NULL)
             return NULL;
         cuda_release(be, st->scratch[slot]);
@@ -256,7 +275,8 @@ static mc_status cuda_upload(mc_backend *be, void *dst, const void *host_src, si
     MC_TRY(mc_cuda_enter(be, err));
     if (bytes <= MC_UPLOAD_STAGED_MAX) {
         if (st->staging == NULL)
-            MC_CUDA_TRY(cudaMallocHost((void **)&st->staging, MC_CUDA_STAGING_BYTES), err);
+            MC_CUDA_ALLOC_TRY(cudaMallocHost((void **)&st->staging, MC_CUDA_STAGING_BYTES),
+                              MC_CUDA_STAGING_BYTES, "the pinned upload ring", err);
         const size_t aligned = (bytes + 255) & ~(size_t)255;
         if (st->staging_used + aligned > MC_CUDA_STAGING_BYTES) {
             /* Every copy out of the ring so far must have left it before
@@ -500,12 +520,15 @@ static mc_status create_state(cuda_state *st, int device_index, mc_err *err) {
     /* A workspace of our own (32 MiB, what cuBLAS asks for on Hopper), so
      * GEMMs recorded into a graph never allocate. */
     const size_t workspace_bytes = (size_t)32 << 20;
-    MC_CUDA_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), err);
+    MC_CUDA_ALLOC_TRY(cudaMalloc(&st->blas_workspace, workspace_bytes), workspace_bytes,
+                      "cuBLAS's workspace", err);
     MC_CUBLAS_TRY(mc_cublas.set_workspace(st->blas, st->blas_workspace, workspace_bytes), err);
     /* The sampling ops' row-fault word, cleared in stream order before any
      * op can run (ops go to the same stream). */
-    MC_CUDA_TRY(cudaMalloc((void **)&st->row_fault, sizeof *st->row_fault), err);
-    MC_CUDA_TRY(cudaMallocHost((void **)&st->row_fault_host, sizeof *st->row_fault_host), err);
+    MC_CUDA_ALLOC_TRY(cudaMalloc((void **)&st->row_fault, sizeof *st->row_fault),
+                      sizeof *st->row_fault, "the sampling ops' row-fault word", err);
+    MC_CUDA_ALLOC_TRY(cudaMallocHost((void **)&st->row_fault_host, sizeof *st->row_fault_host),
+                      sizeof *st->row_fault_host, "the row-fault word's pinned host copy", err);
     *st->row_fault_host = MC_ROW_FAULT_NONE;
     MC_CUDA_TRY(cudaMemsetAsync(st->row_fault, 0xff, sizeof *st->row_fault, st->stream), err);
     const char *graphs = getenv("MARCACHE_CUDA_GRAPHS");
@@ -535,7 +558,7 @@ extern "C" mc_status mc_backend_cuda_create(mc_backend **out, int device_index, 
     if (be == NULL || st == NULL) {
         free(be);
         free(st);
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the CUDA backend");
+        return mc_fail_nomem(err, sizeof *be + sizeof *st, "the CUDA backend");
     }
     if (create_state(st, device_index, err) != MC_OK) {
         cuda_free_state(st);
@@ -556,12 +579,14 @@ extern "C" mc_status mc_cuda_pool_probe(int device, const size_t *sizes, int cou
     MC_TRY(mc_backend_cuda_create(&be, device, err));
     cuda_state *st = cuda_st(be);
     void **blocks = (void **)calloc(count > 0 ? (size_t)count : 1, sizeof *blocks);
-    mc_status status = blocks == NULL ? mc_fail(err, MC_ERR_NOMEM, "pool probe: no host memory")
-                                      : MC_OK;
+    mc_status status =
+        blocks == NULL ? mc_fail_nomem_n(err, count > 0 ? (size_t)count : 1, sizeof *blocks,
+                                         "the pool probe's block list")
+                       : MC_OK;
     for (int r = 0; r < rounds && status == MC_OK; r++) {
         int made = 0;
         for (; made < count; made++)
-            if ((blocks[made] = be->ops->alloc(be, sizes[made], err)) == NULL)
+            if ((blocks[made] = be->ops->alloc(be, sizes[made], "a pool probe block", err)) == NULL)
                 break;
         const int record = release_while_recording && made == count;
         if (record && (status = be->ops->capture_begin(be, err)) != MC_OK)

@@ -155,7 +155,8 @@ static mc_status gemm_16bit_weights(mc_backend *be, const float *x, int64_t ldx,
                        (long long)rows, (long long)in, (long long)out);
     cuda_state *st = cuda_st(be);
     const int bf16 = be->linear_wtype == MC_WTYPE_BF16;
-    void *x16 = mc_cuda_scratch(be, MC_CUDA_SLOT_HALF_X, (size_t)(rows * in) * 2, err);
+    void *x16 = mc_cuda_scratch(be, MC_CUDA_SLOT_HALF_X, (size_t)(rows * in) * 2,
+                               "a 16-bit linear's rounded input", err);
     if (x16 == NULL)
         return err->status;
     const unsigned blocks = mc_cuda_blocks(rows * in, MC_CUDA_THREADS);

@@ -108,7 +108,8 @@ mc_status mc_cuda_groupnorm(mc_backend *be, const float *x, int64_t batch, int64
         return mc_fail(err, MC_ERR_VALUE, "cuda groupnorm: %lld blocks exceed the grid limit",
                        (long long)blocks);
     double *partial = (double *)mc_cuda_scratch(
-        be, MC_CUDA_SLOT_STATS, (size_t)(blocks + 2 * items) * sizeof(double), err);
+        be, MC_CUDA_SLOT_STATS, (size_t)(blocks + 2 * items) * sizeof(double),
+        "groupnorm's partial sums and statistics", err);
     if (partial == NULL)
         return err->status;
     double *mean = partial + blocks, *inv_std = mean + items;
@@ -235,7 +236,8 @@ static mc_status conv_window(mc_backend *be, const mc_window2d *g, const float *
         if (chunk > pixels)
             chunk = pixels;
         float *col = (float *)mc_cuda_scratch(be, MC_CUDA_SLOT_COLUMNS,
-                                              (size_t)(chunk * patch) * sizeof(float), err);
+                                              (size_t)(chunk * patch) * sizeof(float),
+                                              "conv2d's im2col columns", err);
         if (col == NULL)
             return err->status;
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {

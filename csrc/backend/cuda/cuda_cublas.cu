@@ -68,7 +68,7 @@ extern "C" mc_status mc_cuda_cublas_register_dirs(const char *const *dirs, int c
         total += strlen(dirs[i]) + 1;
     char *joined = (char *)malloc(total);
     if (joined == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cuBLAS search folders: cannot allocate %zu bytes", total);
+        return mc_fail_nomem(err, total, "the list of cuBLAS search folders");
     joined[0] = '\0';
     for (int i = 0; i < count; i++) {
         strcat(joined, dirs[i]);

@@ -442,7 +442,7 @@ mc_status mc_cuda_pivotal_rows(mc_backend *be, const float *x, int64_t ldx, int6
     const size_t mean_bytes = (size_t)(batch * dim) * sizeof(double);
     const size_t score_bytes = (size_t)(batch * rows) * sizeof(double);
     char *scratch = (char *)mc_cuda_scratch(be, MC_CUDA_SLOT_STATS, mean_bytes + score_bytes + (size_t)(batch * rows),
-                                            err);
+                                            "pivotal_rows' means, scores and flags", err);
     if (scratch == NULL)
         return err->status;
     double *mean = (double *)scratch, *score = (double *)(scratch + mean_bytes);

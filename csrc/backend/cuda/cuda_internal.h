@@ -89,8 +89,12 @@ static inline cuda_state *cuda_st(mc_backend *be) { return (cuda_state *)be->imp
 /* Records a failed CUDA runtime call ("cudaMemcpyAsync: out of memory");
  * cudaErrorMemoryAllocation maps to MC_ERR_NOMEM (MemoryError), anything
  * else to MC_ERR_INTERNAL (RuntimeError). Clears the runtime's last error so
- * a later launch check does not report it again. */
+ * a later launch check does not report it again. The runtime does not say
+ * how much such a call needed; an allocation of ours goes through
+ * mc_cuda_fail_alloc, which names what and how many bytes. */
 mc_status mc_cuda_fail(cudaError_t code, const char *call, mc_err *err);
+mc_status mc_cuda_fail_alloc(cudaError_t code, const char *call, size_t bytes, const char *what,
+                             mc_err *err);
 mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err);
 
 #define MC_CUDA_TRY(call, err)                                 \
@@ -98,6 +102,14 @@ mc_status mc_cublas_fail(cublasStatus_t code, const char *call, mc_err *err);
         cudaError_t mc_cuda_code_ = (call);                    \
         if (mc_cuda_code_ != cudaSuccess)                      \
             return mc_cuda_fail(mc_cuda_code_, #call, (err));  \
+    } while (0)
+
+/* MC_CUDA_TRY for a cudaMalloc / cudaMallocHost of `bytes` bytes of `what`. */
+#define MC_CUDA_ALLOC_TRY(call, bytes, what, err)                                    \
+    do {                                                                             \
+        cudaError_t mc_cuda_code_ = (call);                                          \
+        if (mc_cuda_code_ != cudaSuccess)                                            \
+            return mc_cuda_fail_alloc(mc_cuda_code_, #call, (bytes), (what), (err)); \
     } while (0)
 
 /* 1 when MARCACHE_CUDA_SYNC=1 (read once per process): the device is
@@ -144,8 +156,9 @@ int mc_cuda_sync_launches(void);
 mc_status mc_cuda_enter(mc_backend *be, mc_err *err);
 
 /* Scratch of at least `bytes` in slot `slot` (grow-only; the old block is
- * freed in stream order, after the kernels that used it). */
-void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, mc_err *err);
+ * freed in stream order, after the kernels that used it). `what` names it in
+ * an out-of-memory message. */
+void *mc_cuda_scratch(mc_backend *be, int slot, size_t bytes, const char *what, mc_err *err);
 
 /* ---- row faults of the sampling ops ------------------------------------- */
 

@@ -277,7 +277,8 @@ mc_status mc_cuda_sample_tokens(mc_backend *be, float *logits, int64_t ld, int64
     const int64_t blocks = rows < SAMPLE_MAX_BLOCKS ? rows : SAMPLE_MAX_BLOCKS;
     const size_t weight_bytes = (size_t)blocks * (size_t)vocab * sizeof(double);
     const size_t key_bytes = use_top_p ? (size_t)blocks * (size_t)sort_n * sizeof(unsigned long long) : 0;
-    char *scratch = (char *)mc_cuda_scratch(be, MC_CUDA_SLOT_SAMPLING, weight_bytes + key_bytes, err);
+    char *scratch = (char *)mc_cuda_scratch(be, MC_CUDA_SLOT_SAMPLING, weight_bytes + key_bytes,
+                                            "the sampling weights and keys", err);
     if (scratch == NULL)
         return err->status;
     double *weights = (double *)scratch;

@@ -18,6 +18,8 @@
  * or discarded recording restores every buffer from a snapshot taken at
  * capture_begin, as if nothing had run (on CUDA nothing has). */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -95,7 +97,7 @@ static mc_status refuse_while_recording(guard_state *gs, const char *what, mc_er
     return mc_fail(err, MC_ERR_INTERNAL, "guard backend: %s while recording a graph", what);
 }
 
-static void *guard_alloc(mc_backend *be, size_t bytes, mc_err *err) {
+static void *guard_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
     guard_state *gs = guard_st(be);
     if (refuse_while_recording(gs, "allocation", err) != MC_OK)
         return NULL;
@@ -103,16 +105,18 @@ static void *guard_alloc(mc_backend *be, size_t bytes, mc_err *err) {
     if (rounded == 0)
         rounded = gs->page;
     if (rounded < bytes || rounded > GUARD_RESERVE_BYTES - gs->used) {
-        mc_fail(err, MC_ERR_NOMEM,
-                "guard backend: cannot allocate %zu bytes (%zu of its %zu reserved bytes are used)",
-                bytes, gs->used, GUARD_RESERVE_BYTES);
+        char held[128];
+        snprintf(held, sizeof held, "the guard backend uses %zu of its %zu reserved bytes", gs->used,
+                 (size_t)GUARD_RESERVE_BYTES);
+        mc_fail_nomem_because(err, bytes, held, "%s", what);
         return NULL;
     }
     if (gs->block_count == gs->block_capacity) {
         size_t fresh = gs->block_capacity ? 2 * gs->block_capacity : 256;
         guard_block *moved = realloc(gs->blocks, fresh * sizeof *moved);
         if (moved == NULL) {
-            mc_fail(err, MC_ERR_NOMEM, "guard backend: cannot grow its block list to %zu entries", fresh);
+            mc_fail_nomem_n(err, fresh, sizeof *moved, "the guard backend's block list (%zu entries, for %s)", fresh,
+                            what);
             return NULL;
         }
         gs->blocks = moved;
@@ -207,7 +211,7 @@ static mc_status guard_capture_begin(mc_backend *be, mc_err *err) {
     free(gs->snapshot);
     gs->snapshot = malloc(gs->used ? gs->used : 1);
     if (gs->snapshot == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "guard backend: cannot snapshot %zu bytes for a recording", gs->used);
+        return mc_fail_nomem(err, gs->used ? gs->used : 1, "the guard backend's snapshot for a recording");
     MC_TRY(snapshot_copy(be, 1, err));
     gs->capturing = 1;
     gs->capture_failed = 0;
@@ -311,17 +315,18 @@ mc_status mc_backend_guard_create(mc_backend **out, int num_threads, mc_err *err
     if (be == NULL || gs == NULL) {
         free(be);
         free(gs);
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the guard backend");
+        return mc_fail_nomem(err, sizeof *be + sizeof *gs, "the guard backend");
     }
     long page = sysconf(_SC_PAGESIZE);
     gs->page = page > 0 ? (size_t)page : 4096;
     void *base = mmap(NULL, GUARD_RESERVE_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                       -1, 0);
     if (base == MAP_FAILED) {
+        const int why = errno;
         free(be);
         free(gs);
-        return mc_fail(err, MC_ERR_NOMEM, "guard backend: cannot reserve %zu bytes of address space",
-                       GUARD_RESERVE_BYTES);
+        return mc_fail_nomem_because(err, GUARD_RESERVE_BYTES, strerror(why),
+                                     "the guard backend's address space (reserved, not committed)");
     }
     gs->base = base;
     /* MARCACHE_GUARD_FAIL_RECORDING=N makes the N-th op of every recording
