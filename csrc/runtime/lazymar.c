@@ -66,41 +66,30 @@ static mc_status lazymar_check(const void *config, const mc_mar_config *model, m
     return mc_head_cache_check(&cfg->head, "LazyMAR", err);
 }
 
-static void lazymar_free(void *state) {
+static void lazymar_release(void *state) {
     lazymar_state *lz = state;
-    if (lz == NULL)
-        return;
     mc_backend *be = lz->tc.mar ? lz->tc.mar->backend : NULL;
     for (int i = 0; i < 2; i++)
         if (lz->select_v[i] != NULL)
             be->ops->release(be, lz->select_v[i]);
     mc_mar_caches_release(&lz->tc);
-    free(lz);
 }
 
-static mc_status lazymar_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                                mc_err *err) {
+static mc_status lazymar_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                              mc_err *err) {
+    lazymar_state *lz = state;
     const mc_lazymar_config *cfg = config;
     const mc_mar_config *c = &mar->config;
-    MC_TRY(lazymar_check(cfg, c, err));
-    lazymar_state *lz = calloc(1, sizeof *lz);
-    if (lz == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the LazyMAR state");
     lz->cfg = *cfg;
     /* The token cache keeps decoder K/V only for the layers after the
      * selection layer: they are the ones that attend to a cache. */
-    mc_status st = mc_mar_caches_init(&lz->tc, mar, run, cfg->token_cache, cfg->cond_cache, cfg->token_cache,
-                                      cfg->select_layer + 1, &cfg->head, err);
+    MC_TRY(mc_mar_caches_init(&lz->tc, mar, run, cfg->token_cache, cfg->cond_cache, cfg->token_cache,
+                              cfg->select_layer + 1, &cfg->head, err));
     const int64_t L = c->buffer_size + c->seq_len;
-    for (int i = 0; st == MC_OK && cfg->token_cache && i < 2; i++)
+    for (int i = 0; cfg->token_cache && i < 2; i++)
         if ((lz->select_v[i] = mc_mar_caches_buffer(&lz->tc, (size_t)(lz->tc.n_cache_seq * L * c->dec_width),
                                                     err)) == NULL)
-            st = err->status;
-    if (st != MC_OK) {
-        lazymar_free(lz);
-        return st;
-    }
-    *state = lz;
+            return err->status;
     return MC_OK;
 }
 
@@ -172,4 +161,4 @@ static mc_status lazymar_transformer(void *state, const mc_mar_step *s, float *z
 }
 
 const mc_mar_policy_ops mc_lazymar_policy = MC_MAR_CACHED_POLICY_OPS(lazymar, "lazymar", lazymar_fields, mc_lazymar_config,
-                                                                   lazymar_free);
+                                                                   lazymar_release);

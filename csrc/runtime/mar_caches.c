@@ -47,12 +47,7 @@ void mc_mar_caches_release(mc_mar_caches *tc) {
     memset(tc, 0, sizeof *tc);
 }
 
-void mc_mar_caches_free_state(void *state) {
-    if (state == NULL)
-        return;
-    mc_mar_caches_release((mc_mar_caches *)state);
-    free(state);
-}
+void mc_mar_caches_release_state(void *state) { mc_mar_caches_release((mc_mar_caches *)state); }
 
 size_t mc_mar_caches_cache_bytes(const void *state) {
     const mc_mar_caches *tc = state;

@@ -54,14 +54,16 @@ mc_status mc_mar_caches_plan(void *state, int64_t most_live_rows, mc_err *err);
 mc_status mc_mar_caches_head_plan(void *state, const mc_mar_step *step, int n_diffusion_steps,
                                   mc_mar_head_plan *plan, mc_err *err);
 size_t mc_mar_caches_cache_bytes(const void *state);
-/* Frees a policy state that holds nothing beyond its mc_mar_caches. */
-void mc_mar_caches_free_state(void *state);
-/* The ops table of such a policy: <prefix>_check, _create and _transformer
- * are its own, the rest the shared ones above, and `free_state` frees it. */
-#define MC_MAR_CACHED_POLICY_OPS(prefix, policy_name, field_table, config_type, free_state)                   \
+/* Releases a policy state that holds nothing beyond its mc_mar_caches. */
+void mc_mar_caches_release_state(void *state);
+/* The ops table of such a policy: its state is <prefix>_state, <prefix>_check,
+ * _init and _transformer are its own, the rest the shared ones above, and
+ * `release_state` releases what its state holds. */
+#define MC_MAR_CACHED_POLICY_OPS(prefix, policy_name, field_table, config_type, release_state)                \
     {.schema = {policy_name, field_table, sizeof(config_type)}, .check = prefix##_check,                      \
-     .create = prefix##_create, .plan = mc_mar_caches_plan, .transformer = prefix##_transformer,              \
-     .head_plan = mc_mar_caches_head_plan, .cache_bytes = mc_mar_caches_cache_bytes, .free = free_state}
+     .state_size = sizeof(prefix##_state), .init = prefix##_init, .plan = mc_mar_caches_plan,                 \
+     .transformer = prefix##_transformer, .head_plan = mc_mar_caches_head_plan,                               \
+     .cache_bytes = mc_mar_caches_cache_bytes, .release = release_state}
 /* A backend buffer counted in the cache bytes (freed by mc_mar_caches_release
  * only if stored in one of the struct's fields; policies release their own). */
 float *mc_mar_caches_buffer(mc_mar_caches *tc, size_t floats, mc_err *err);

@@ -1,10 +1,12 @@
 /* The registry of MAR cache policies: the binding finds a policy here by the
- * name the Python policy carries. A new policy adds one line. */
+ * name the Python policy carries. A new policy adds one line. Also the
+ * family's instance of the policy lifecycle (policy_lifecycle.h). */
 #include <string.h>
 
 #include "lazymar.h"
 #include "marche.h"
 #include "mar_policy.h"
+#include "policy_lifecycle.h"
 
 extern const mc_mar_policy_ops mc_cfgfree_policy;
 extern const mc_mar_policy_ops mc_disa_policy;
@@ -36,14 +38,9 @@ mc_status mc_mar_inner_check(const mc_policy_ref *ref, const char *outer, const 
     return mc_mar_policy_of(ref->schema)->check(ref->config, model, err);
 }
 
-mc_status mc_mar_inner_create(mc_mar_policy *inner, mc_mar *mar, const mc_policy_ref *ref,
-                              const mc_mar_run_shape *run, mc_err *err) {
-    inner->ops = mc_mar_policy_of(ref->schema);
-    return inner->ops->create(mar, ref->config, run, &inner->state, err);
+mc_status mc_mar_inner_make(mc_mar_policy *inner, mc_mar *mar, const mc_policy_ref *ref,
+                            const mc_mar_run_shape *run, mc_err *err) {
+    return mc_mar_policy_make(inner, mc_mar_policy_of(ref->schema), mar, ref->config, run, err);
 }
 
-void mc_mar_inner_free(mc_mar_policy *inner) {
-    if (inner->state != NULL)
-        inner->ops->free(inner->state);
-    inner->state = NULL;
-}
+MC_POLICY_LIFECYCLE(mar, mc_mar, mc_mar_run_shape, mc_nocache_policy)

@@ -61,23 +61,13 @@ static mc_status marche_check(const void *config, const mc_mar_config *model, mc
     return mc_head_cache_check(&cfg->head, "MARche", err);
 }
 
-static mc_status marche_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                               mc_err *err) {
-    const mc_marche_config *cfg = config;
-    MC_TRY(marche_check(cfg, &mar->config, err));
-    marche_state *mc = calloc(1, sizeof *mc);
-    if (mc == NULL)
-        return mc_fail(err, MC_ERR_NOMEM, "cannot allocate the MARche state");
-    mc->cfg = *cfg;
+static mc_status marche_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                             mc_err *err) {
+    marche_state *mc = state;
+    mc->cfg = *(const mc_marche_config *)config;
     /* Decoder K/V for the layers after the full prefix: they attend to a cache. */
-    mc_status st = mc_mar_caches_init(&mc->tc, mar, run, cfg->encoder_cache, cfg->cond_cache, 1, cfg->full_layers,
-                                      &cfg->head, err);
-    if (st != MC_OK) {
-        free(mc);
-        return st;
-    }
-    *state = mc;
-    return MC_OK;
+    return mc_mar_caches_init(&mc->tc, mar, run, mc->cfg.encoder_cache, mc->cfg.cond_cache, 1, mc->cfg.full_layers,
+                              &mc->cfg.head, err);
 }
 
 static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, int32_t *active, int64_t n_active,
@@ -163,4 +153,4 @@ static mc_status marche_transformer(void *state, const mc_mar_step *s, float *z,
 }
 
 const mc_mar_policy_ops mc_marche_policy = MC_MAR_CACHED_POLICY_OPS(marche, "marche", marche_fields, mc_marche_config,
-                                                                  mc_mar_caches_free_state);
+                                                                  mc_mar_caches_release_state);
