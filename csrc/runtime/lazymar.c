@@ -104,8 +104,8 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
     mc_backend *be = mar->backend;
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &mar->config;
-    const int64_t B = s->n_images, nc = tc->n_cache_seq, P = c->buffer_size, L = P + c->seq_len;
-    const int64_t Dd = c->dec_width, p = tc->n_prev, sel = lz->cfg.select_layer;
+    const int64_t nc = tc->n_cache_seq, L = c->buffer_size + c->seq_len;
+    const int64_t Dd = c->dec_width, sel = lz->cfg.select_layer;
     MC_TRY(mc_mar_caches_full_layers(tc, f, 0, sel, flops, err));
     float *v_old = lz->select_v[lz->select_v_current];
     lz->select_v_current ^= 1;
@@ -119,15 +119,8 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
     MC_TRY(ops->cosine_rows(be, v_new, Dd, v_old, Dd, nc * L, (int)c->dec_heads, (int)(Dd / c->dec_heads),
                             scores, err));
     MC_TRY(ops->download(be, tc->scores_host, scores, (size_t)(nc * L) * sizeof(float), err));
-    for (int64_t q = 0; q < nc; q++) {
-        const int64_t b = q % B;
-        mc_rows_choose(tc->scores_host + q * L, L, P, 0, s->pred_pos + b * s->n_pred, s->n_pred,
-                       tc->prev_pred + b * p, p, keep, tc->taken, tc->order, kept + q * keep);
-    }
-    float *xk = MC_POLICY_FLOATS(tc, kept_x, (size_t)(nc * keep * Dd), err);
-    if (xk == NULL)
-        return err->status;
-    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, kept, keep, &tc->acts->rows, xk, err));
+    float *xk;
+    MC_TRY(mc_mar_caches_keep_rows(tc, s, f, 0, kept, keep, &xk, err));
     MC_TRY(mc_mar_block_mlp(mar, &mar->dec_blocks[sel], xk, nc * keep, Dd, c->dec_mlp_hidden, err));
     *flops += mc_flops_block_mlp(nc * keep, Dd, c->dec_mlp_hidden);
     MC_TRY(mc_mar_caches_cache_aware_layers(tc, xk, kept, keep, sel + 1, flops, err));

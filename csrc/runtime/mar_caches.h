@@ -91,6 +91,13 @@ mc_status mc_mar_caches_cached_step(mc_mar_caches *tc, const mc_mar_step *s, int
 /* Decoder layers [first, last) on every row of f. */
 mc_status mc_mar_caches_full_layers(mc_mar_caches *tc, float *f, int64_t first, int64_t last, double *flops,
                                     mc_err *err);
+/* A decoder's row selection from the scores in tc->scores_host [nc, L]:
+ * each sequence's `keep` rows (mc_rows_choose: the rows predicted now and at
+ * the previous step forced, the others ranked from `first_candidate` on)
+ * into kept [nc, keep], and those rows of f [nc, L, Dd] gathered into the
+ * policy's kept-row buffer, *xk [nc * keep, Dd]. */
+mc_status mc_mar_caches_keep_rows(mc_mar_caches *tc, const mc_mar_step *s, const float *f, int64_t first_candidate,
+                                  int32_t *kept, int64_t keep, float **xk, mc_err *err);
 /* Layers [first, depth) on the kept rows xk [nc, keep]: their fresh K/V go
  * into each layer's cache, and they attend to all P + S cached rows. */
 mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, float *xk, const int32_t *kept, int64_t keep,
