@@ -4,8 +4,6 @@
  * mapped and validated and while tensors are converted. */
 #include "py_numpy.h"
 
-#include <string.h>
-
 #include "../io/bind.h"
 #include "../io/safetensors.h"
 #include "py_backend.h"
@@ -180,18 +178,14 @@ static PyObject *py_bind_read(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&s|sss", keywords, PyUnicode_FSConverter, &path_obj, &name,
                                      &layout_name, &dtype, &device))
         return NULL;
-    mc_bind_layout layout;
-    if (strcmp(layout_name, "as_is") == 0)
-        layout = MC_BIND_AS_IS;
-    else if (strcmp(layout_name, "conv_ohwi") == 0)
-        layout = MC_BIND_CONV_OHWI;
-    else if (strcmp(layout_name, "linear") == 0)
-        layout = MC_BIND_LINEAR;
-    else {
+    static const char *const layout_names[] = {"as_is", "conv_ohwi", "linear", NULL};
+    static const mc_bind_layout layouts[] = {MC_BIND_AS_IS, MC_BIND_CONV_OHWI, MC_BIND_LINEAR};
+    const int layout_index = mcpy_choice(layout_name, layout_names, "layout");
+    if (layout_index < 0) {
         Py_DECREF(path_obj);
-        return PyErr_Format(PyExc_ValueError, "layout must be 'as_is', 'conv_ohwi' or 'linear', got '%s'",
-                            layout_name);
+        return NULL;
     }
+    const mc_bind_layout layout = layouts[layout_index];
     mc_wtype wtype;
     if (mcpy_parse_wtype(dtype, &wtype) < 0) {
         Py_DECREF(path_obj);

@@ -2,6 +2,7 @@
 #include "py_util.h"
 
 #include <stdio.h>
+#include <string.h>
 
 PyObject *mcpy_raise(const mc_err *err) {
     PyObject *type;
@@ -41,4 +42,19 @@ void mcpy_format_shape(char *buf, size_t size, int ndim, const int64_t *dims) {
 PyObject *mcpy_no_memory(const char *what, size_t bytes) {
     PyErr_Format(PyExc_MemoryError, "cannot allocate %s (%.1f MiB)", what, (double)bytes / (1024.0 * 1024.0));
     return NULL;
+}
+
+int mcpy_choice(const char *value, const char *const *choices, const char *what) {
+    int n = 0;
+    for (; choices[n] != NULL; n++)
+        if (strcmp(value, choices[n]) == 0)
+            return n;
+    char listed[256];
+    size_t used = 0;
+    listed[0] = '\0';
+    for (int i = 0; i < n && used < sizeof listed; i++)
+        used += (size_t)snprintf(listed + used, sizeof listed - used, "%s'%s'", i == 0 ? "" : i == n - 1 ? " or " : ", ",
+                                 choices[i]);
+    PyErr_Format(PyExc_ValueError, "%s must be %s, got '%s'", what, listed, value);
+    return -1;
 }
