@@ -94,7 +94,7 @@ typedef struct mc_mar_policy {
     void *state;
 } mc_mar_policy;
 
-/* A policy's life for one run (policy_lifecycle.h): make checks the config,
+/* A policy's life for one run (policy_seam.h): make checks the config,
  * allocates the state and has the policy fill it (ops NULL: NoCache); on
  * failure policy->state is NULL and nothing is held. */
 mc_status mc_mar_policy_make(mc_mar_policy *policy, const mc_mar_policy_ops *ops, mc_mar *mar, const void *config,

@@ -110,7 +110,7 @@ typedef struct mc_var_policy {
     void *state;
 } mc_var_policy;
 
-/* A policy's life for one run (policy_lifecycle.h): make checks the config,
+/* A policy's life for one run (policy_seam.h): make checks the config,
  * allocates the state and has the policy fill it (ops NULL: NoCache); on
  * failure policy->state is NULL and nothing is held. */
 mc_status mc_var_policy_make(mc_var_policy *policy, const mc_var_policy_ops *ops, mc_var *var, const void *config,

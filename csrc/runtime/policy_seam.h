@@ -1,7 +1,8 @@
-/* A cache policy's life for one run, the same in every model family: one
- * definition, instantiated by each family's seam (mar_policies.c,
- * var_policies.c) for its own types, so the policies themselves only fill
- * and release their state.
+/* What every model family's cache-policy seam does the same way, written
+ * once and instantiated by each family's registry (mar_policies.c,
+ * var_policies.c) for its own types: a policy's life for one run, so the
+ * policies themselves only fill and release their state, and a policy's
+ * config schema by name.
  *
  *   mc_<family>_policy_make(policy, ops, model, config, run, err)
  *       ops NULL means the family's NoCache (config unused). Checks the
@@ -9,15 +10,18 @@
  *       ops->init fill it; if init fails, ops->release and free undo it and
  *       policy->state stays NULL.
  *   mc_<family>_policy_free(policy)
- *       ops->release, then frees the state; nothing when none was made. */
-#ifndef MC_POLICY_LIFECYCLE_H
-#define MC_POLICY_LIFECYCLE_H
+ *       ops->release, then frees the state; nothing when none was made.
+ *   mc_<family>_policy_schema(name)
+ *       the config schema of mc_<family>_policy_find(name) (the first member
+ *       of its ops table), or NULL: the lookup of composed policies' fields. */
+#ifndef MC_POLICY_SEAM_H
+#define MC_POLICY_SEAM_H
 
 #include <stdlib.h>
 
 #include "../core/mc_core.h"
 
-#define MC_POLICY_LIFECYCLE(family, model_type, run_type, nocache_ops)                                          \
+#define MC_POLICY_SEAM(family, model_type, run_type, nocache_ops)                                            \
     mc_status mc_##family##_policy_make(mc_##family##_policy *policy, const mc_##family##_policy_ops *ops,    \
                                         model_type *model, const void *config, const run_type *run,            \
                                         mc_err *err) {                                                         \
@@ -44,6 +48,11 @@
             free(policy->state);                                                                               \
         }                                                                                                      \
         policy->state = NULL;                                                                                  \
+    }                                                                                                          \
+                                                                                                               \
+    const mc_config_schema *mc_##family##_policy_schema(const char *name) {                                    \
+        const mc_##family##_policy_ops *ops = mc_##family##_policy_find(name);                                 \
+        return ops ? &ops->schema : NULL;                                                                      \
     }
 
 #endif
