@@ -312,7 +312,8 @@ def _cmd_demo(args):
 def _cmd_sample(args):
     import marcache as mc
     from .chunks import PartStore, chunk_plan, iter_generated, run_settings
-    from .eval import _Progress, class_major_labels
+    from ._progress import Progress
+    from .eval import class_major_labels
 
     if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
         raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
@@ -338,7 +339,7 @@ def _cmd_sample(args):
     resumed = args.n - sum(c.size for c in todo)
     if resumed and not args.quiet:
         print(f"resuming {out}: {resumed} of {args.n} images already in {store.dir}", file=sys.stderr)
-    bar = _Progress(args.n, "sample", enabled=_progress(args))
+    bar = Progress(args.n, "sample", enabled=_progress(args))
     bar.update(resumed)
     t0 = time.perf_counter()
     flops = 0.0
