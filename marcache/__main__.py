@@ -157,6 +157,14 @@ def _add_progress_arguments(parser):
                         help="progress bars even when stderr is not a terminal (default: only on a terminal)")
 
 
+def _add_fid_network_arguments(parser):
+    """The options of every command that runs the FID network, and the progress switches."""
+    parser.add_argument("--batch-size", type=int, default=64, help="images per FID-network batch")
+    parser.add_argument("--threads", type=int, default=0, help="OpenMP threads (0 = all)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
+    _add_progress_arguments(parser)
+
+
 def _progress(args):
     """Bars only on a terminal (so logs get no \\r updates), unless --progress; never with --quiet."""
     if getattr(args, "quiet", False):
@@ -312,7 +320,8 @@ def _cmd_demo(args):
 def _cmd_sample(args):
     import marcache as mc
     from .chunks import PartStore, chunk_plan, iter_generated, run_settings
-    from .eval import _Progress, class_major_labels
+    from ._progress import Progress
+    from .eval import class_major_labels
 
     if args.n < 1 or args.per_class < 1 or args.batch_size < 1:
         raise ValueError(f"--n, --per-class and --batch-size must be >= 1, got {args.n}, {args.per_class}, "
@@ -338,7 +347,7 @@ def _cmd_sample(args):
     resumed = args.n - sum(c.size for c in todo)
     if resumed and not args.quiet:
         print(f"resuming {out}: {resumed} of {args.n} images already in {store.dir}", file=sys.stderr)
-    bar = _Progress(args.n, "sample", enabled=_progress(args))
+    bar = Progress(args.n, "sample", enabled=_progress(args))
     bar.update(resumed)
     t0 = time.perf_counter()
     flops = 0.0
@@ -622,25 +631,19 @@ def main(argv=None):
                                      "or 'digits' (samples of the digits MAR: the shipped classifier's features "
                                      "against the training digits, no --inception needed)")
     d.add_argument("--inception", default=None, help="FID-Inception .safetensors (pytorch-fid key names)")
-    d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--method", default="auto", choices=["auto", "sqrtm", "eigvals", "symmetric"],
                    help="Tr sqrt(S1 S2): sqrtm = ADM evaluator (SciPy), eigvals = torch-fidelity, "
                         "symmetric = NumPy; auto = sqrtm with SciPy, else symmetric")
     d.add_argument("--is-protocol", default="torch-fidelity", choices=["torch-fidelity", "adm"])
     d.add_argument("--splits", type=int, default=10)
-    d.add_argument("--threads", type=int, default=0)
-    d.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
-    _add_progress_arguments(d)
+    _add_fid_network_arguments(d)
     d.set_defaults(func=_cmd_fid)
 
     r = sub.add_parser("reference", help="reference statistics (mu, sigma) of an image folder or .npz")
     r.add_argument("source", help="folder of images (PNG; others need Pillow) or .npz with arr_0")
     r.add_argument("out", help="output .npz (mu, sigma, n)")
     r.add_argument("--inception", required=True)
-    r.add_argument("--batch-size", type=int, default=64)
-    r.add_argument("--threads", type=int, default=0)
-    r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the FID network)")
-    _add_progress_arguments(r)
+    _add_fid_network_arguments(r)
     r.set_defaults(func=_cmd_reference)
 
     i = sub.add_parser("info", help="build facts, or the config of a model file")

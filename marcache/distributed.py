@@ -52,8 +52,9 @@ from typing import Optional
 
 import numpy as np
 
+from ._progress import Progress
 from .chunks import DEFAULT_CHUNK_IMAGES, PartStore, chunk_plan, iter_generated, run_settings, shard_plan
-from .eval import (InceptionV3, Stats, SweepResult, _Progress, class_major_labels, fid, inception_score,
+from .eval import (InceptionV3, Stats, SweepResult, class_major_labels, fid, inception_score,
                    load_reference)
 
 
@@ -369,7 +370,7 @@ class RayExecutor:
         board = ray.remote(_ProgressBoard).options(num_cpus=0).remote()
         queue = collections.deque(tasks)
         idle, pending, failures = list(pool), {}, collections.Counter()
-        bar = _Progress(total, desc, enabled=progress)
+        bar = Progress(total, desc, enabled=progress)
         shown = 0
         try:
             while queue or pending:

@@ -30,7 +30,6 @@ computed.
 """
 import math
 import os
-import sys
 import time
 import warnings
 import zipfile
@@ -40,54 +39,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import _C
+from ._progress import Progress
 
 DEFAULT_BATCH = 64  # torch-fidelity's and ADM's feature batch size
-
-
-# --------------------------------------------------------------------------
-# progress
-# --------------------------------------------------------------------------
-
-class _Progress:
-    """tqdm (a dependency; a plain line rewritten on stderr if it is missing anyway).
-
-    enabled: True, False, or "auto": only when stderr is a terminal, so that logs and
-    captured output get no carriage-return updates."""
-
-    def __init__(self, total, desc, unit="img", enabled=True):
-        if enabled == "auto":
-            enabled = sys.stderr.isatty()
-        self.bar, self.total, self.desc, self.n, self.enabled = None, total, desc, 0, bool(enabled)
-        self.t0 = time.perf_counter()
-        if not enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit=unit)
-        except ImportError:
-            self.bar = None
-
-    def update(self, k):
-        self.n += k
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(k)
-            return
-        dt = time.perf_counter() - self.t0
-        rate = self.n / dt if dt > 0 else 0.0
-        total = self.total if self.total is not None else "?"
-        sys.stderr.write(f"\r{self.desc}: {self.n}/{total} ({rate:.2f}/s)")
-        sys.stderr.flush()
-
-    def close(self):
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            sys.stderr.write("\n")
 
 
 # --------------------------------------------------------------------------
@@ -157,7 +111,7 @@ class InceptionV3:
             total = len(arr)
         else:
             batches = images
-        bar = _Progress(total, "Inception", enabled=progress)
+        bar = Progress(total, "Inception", enabled=progress)
         try:
             for batch in batches:
                 batch = _as_images(batch)
@@ -842,7 +796,7 @@ def sweep(model, inception, configs, n, per_class, reference, seed=0, batch_size
         stats = Stats(inception.feature_dim)
         logits, batch_seconds, batch_sizes = [], [], []
         inc_seconds = flops = 0.0
-        bar = _Progress(n, f"sweep {name}", enabled=progress)
+        bar = Progress(n, f"sweep {name}", enabled=progress)
         try:
             for start in range(0, n, batch_size):
                 lab = labels[start:start + batch_size]
@@ -957,7 +911,7 @@ def frontier(model, classifier_or_inception, policies, n, per_class=None, refere
     images = {name: [] for name, _ in items}
     seconds = {name: [] for name, _ in items}
     flops = {name: 0.0 for name, _ in items}
-    bar = _Progress(n * len(items), "frontier", enabled=progress)
+    bar = Progress(n * len(items), "frontier", enabled=progress)
     try:
         for start in range(0, n, batch_size):
             lab = labels[start:start + batch_size]

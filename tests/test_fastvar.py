@@ -22,7 +22,7 @@ import marcache as mc
 from marcache import _C
 from reference import fastvar as RF
 from tolerance import assert_close, scaled_atol
-from var_fixtures import assert_tokens_follow, engine_and_reference, generate_on_guard_and_cpu, write_var_and_vqvae
+from var_fixtures import assert_tokens_follow, generate_on_guard_and_cpu, module_fixtures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATCH_NUMS = (1, 2, 3, 4, 6, 8)
@@ -46,14 +46,7 @@ FORWARD_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_var_and_vqvae(tmp_path_factory.mktemp("fastvar"), 31, 32, depth=DEPTH, patch_nums=PATCH_NUMS)
-
-
-@pytest.fixture(scope="module")
-def models(files):
-    return engine_and_reference(files, PATCH_NUMS)
+files, models = module_fixtures("fastvar", 31, 32, depth=DEPTH, patch_nums=PATCH_NUMS)
 
 
 def per_token(ref, share=1e-5):

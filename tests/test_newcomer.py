@@ -64,15 +64,15 @@ def test_panels_carry_titles_and_row_labels():
 
 
 def test_auto_progress_shows_only_on_a_terminal(capsys, monkeypatch):
-    from marcache.eval import _Progress
+    from marcache._progress import Progress
 
     monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
-    bar = _Progress(3, "x", enabled="auto")
+    bar = Progress(3, "x", enabled="auto")
     bar.update(3)
     bar.close()
     assert not bar.enabled and capsys.readouterr().err == ""
     monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
-    bar = _Progress(3, "x", enabled="auto")
+    bar = Progress(3, "x", enabled="auto")
     bar.update(3)
     bar.close()
     assert bar.enabled and "3/3" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import marcache as mc
 from reference import fastvar as RF
 from reference import var as RV
 from tolerance import assert_close, scaled_atol
-from var_fixtures import assert_tokens_follow, engine_and_reference, generate_on_guard_and_cpu, write_var_and_vqvae
+from var_fixtures import assert_tokens_follow, generate_on_guard_and_cpu, module_fixtures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATCH_NUMS = (1, 2, 3, 4, 6, 8)
@@ -47,14 +47,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_var_and_vqvae(tmp_path_factory.mktemp("var_cfgfree"), 31, 32, depth=DEPTH, patch_nums=PATCH_NUMS)
-
-
-@pytest.fixture(scope="module")
-def models(files):
-    return engine_and_reference(files, PATCH_NUMS)
+files, models = module_fixtures("var_cfgfree", 31, 32, depth=DEPTH, patch_nums=PATCH_NUMS)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from interrupt import call_with_sigint_pending, gil_released_during
 from reference import var as RV
 from reference import vqvae as RVQ
 from tolerance import assert_close, scaled_atol
-from var_fixtures import TINY, TINY_VQ, engine_and_reference, write_var_and_vqvae
+from var_fixtures import TINY, TINY_VQ, module_fixtures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Near-tie windows (see the module docstring and notes/var-model.md): logit gaps relative to
@@ -31,14 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TIE_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_var_and_vqvae(tmp_path_factory.mktemp("var_gen"), 21, 22)
-
-
-@pytest.fixture(scope="module")
-def models(files):
-    return engine_and_reference(files, TINY["patch_nums"])
+files, models = module_fixtures("var_gen", 21, 22)
 
 
 def run(models, labels, **kw):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from reference import var as RV
@@ -54,6 +55,23 @@ def engine_and_reference(files, patch_nums):
 
     var_path, W, vq_path, VQW = files
     return _C.VAR(var_path), _C.VQVAE(vq_path), RV.VARReference(W, patch_nums), ReferenceVQ(VQW)
+
+
+def module_fixtures(name, var_seed, vq_seed, **overrides):
+    """The `files` (write_var_and_vqvae under a temporary folder `name`) and `models`
+    (engine_and_reference of them) fixtures of a test module, made once per module:
+    ``files, models = module_fixtures(...)`` at the module's top level."""
+    patch_nums = dict(TINY, **overrides)["patch_nums"]
+
+    @pytest.fixture(scope="module")
+    def files(tmp_path_factory):
+        return write_var_and_vqvae(tmp_path_factory.mktemp(name), var_seed, vq_seed, **overrides)
+
+    @pytest.fixture(scope="module")
+    def models(files):
+        return engine_and_reference(files, patch_nums)
+
+    return files, models
 
 
 class ReferenceVQ:

@@ -172,6 +172,20 @@ static mc_status stream_tensor(mc_loader *ld, const mc_st_tensor *t, mc_bind_lay
     return MC_OK;
 }
 
+/* A backend buffer of `bytes` just filled (`filled`: how that went): kept in
+ * the loader's allocation list and handed out through *out, or released. */
+static mc_status keep_buffer(mc_loader *ld, void *buffer, size_t bytes, mc_status filled, float **out) {
+    mc_status status = filled;
+    if (status == MC_OK)
+        status = mc_alloc_list_push(&ld->allocations, buffer, bytes, ld->err);
+    if (status != MC_OK) {
+        ld->backend->ops->release(ld->backend, buffer);
+        return status;
+    }
+    *out = buffer;
+    return MC_OK;
+}
+
 mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shape, mc_bind_layout layout,
                   float **out) {
     *out = NULL;
@@ -206,15 +220,8 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
     void *buffer = be->ops->alloc(be, alloc_bytes, what, ld->err);
     if (buffer == NULL)
         return ld->err->status;
-    mc_status status = stream_tensor(ld, t, layout, to_16bit, buffer);
-    if (status == MC_OK)
-        status = mc_alloc_list_push(&ld->allocations, buffer, alloc_bytes, ld->err);
-    if (status != MC_OK) {
-        be->ops->release(be, buffer);
-        return status;
-    }
-    *out = buffer;
-    return MC_OK;
+    const mc_status filled = stream_tensor(ld, t, layout, to_16bit, buffer);
+    return keep_buffer(ld, buffer, alloc_bytes, filled, out);
 }
 
 static mc_status format_name(mc_loader *ld, char *name, size_t size, const char *fmt, va_list ap) {
@@ -282,17 +289,8 @@ mc_status mc_loader_upload(mc_loader *ld, const float *host, size_t floats, floa
     void *buffer = be->ops->alloc(be, bytes, what, ld->err);
     if (buffer == NULL)
         return ld->err->status;
-    mc_status status = MC_OK;
-    if (floats)
-        status = be->ops->upload(be, buffer, host, floats * sizeof(float), ld->err);
-    if (status == MC_OK)
-        status = mc_alloc_list_push(&ld->allocations, buffer, bytes, ld->err);
-    if (status != MC_OK) {
-        be->ops->release(be, buffer);
-        return status;
-    }
-    *out = buffer;
-    return MC_OK;
+    const mc_status filled = floats ? be->ops->upload(be, buffer, host, floats * sizeof(float), ld->err) : MC_OK;
+    return keep_buffer(ld, buffer, bytes, filled, out);
 }
 
 mc_status mc_loader_check_sizes(mc_loader *ld, const mc_shape_size *sizes, size_t count) {

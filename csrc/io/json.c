@@ -59,13 +59,34 @@ static void skip_whitespace(json_parser *p) {
 
 static void free_value_contents(mc_json_value *value);
 
-static void free_members(mc_json_member *members, size_t count) {
-    for (size_t i = 0; i < count; i++) {
-        free(members[i].key);
-        free_value_contents(&members[i].value);
-    }
-    free(members);
+/* Arrays and objects are both lists: of values, or of members (a key and a
+ * value). One parser and one freer serve both, told the kind. */
+typedef struct json_list_kind {
+    mc_json_type type; /* MC_JSON_ARRAY or MC_JSON_OBJECT */
+    char close;        /* ']' or '}' */
+    const char *name;  /* "array" or "object", for messages */
+    size_t item_size;
+    /* Parses one item at p->pos (depth: the item's value's); on failure
+     * frees what it made. */
+    int (*parse_item)(json_parser *p, void *item, int depth);
+    void (*free_item)(void *item);
+} json_list_kind;
+
+static void free_array_item(void *item) { free_value_contents(item); }
+
+static void free_object_member(void *item) {
+    mc_json_member *m = item;
+    free(m->key);
+    free_value_contents(&m->value);
 }
+
+static void free_list(const json_list_kind *kind, void *items, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        kind->free_item((char *)items + i * kind->item_size);
+    free(items);
+}
+
+static const json_list_kind array_kind, object_kind;
 
 /* The tree is at most MC_JSON_MAX_DEPTH deep, so this recursion is bounded. */
 static void free_value_contents(mc_json_value *value) {
@@ -74,12 +95,10 @@ static void free_value_contents(mc_json_value *value) {
         free(value->u.string.chars);
         break;
     case MC_JSON_ARRAY:
-        for (size_t i = 0; i < value->u.array.count; i++)
-            free_value_contents(&value->u.array.items[i]);
-        free(value->u.array.items);
+        free_list(&array_kind, value->u.array.items, value->u.array.count);
         break;
     case MC_JSON_OBJECT:
-        free_members(value->u.object.members, value->u.object.count);
+        free_list(&object_kind, value->u.object.members, value->u.object.count);
         break;
     default:
         break;
@@ -278,9 +297,13 @@ static int parse_literal(json_parser *p, const char *word, mc_json_value *out, m
 
 static int parse_value(json_parser *p, mc_json_value *out, int depth);
 
-/* Doubles a vector's capacity with overflow checks; 0 or -1 (out of memory,
- * recorded with parse_nomem naming `what`). */
-static int grow(json_parser *p, void **items, size_t *capacity, size_t item_size, const char *what) {
+/* Makes room for element `count` of a vector (`what`, for the message),
+ * doubling its capacity with overflow checks: 0, or -1 with the parser's
+ * out-of-memory error naming what and how many bytes. */
+static int reserve_one(json_parser *p, void **items, size_t count, size_t *capacity, size_t item_size,
+                       const char *what) {
+    if (count < *capacity)
+        return 0;
     size_t fresh = *capacity ? *capacity * 2 : 8;
     if (*capacity > SIZE_MAX / 2 || fresh > SIZE_MAX / item_size)
         return parse_nomem(p, *capacity > SIZE_MAX / 2 ? SIZE_MAX : fresh, item_size, what);
@@ -292,102 +315,91 @@ static int grow(json_parser *p, void **items, size_t *capacity, size_t item_size
     return 0;
 }
 
-static int parse_array(json_parser *p, mc_json_value *out, int depth) {
-    mc_json_value *items = NULL;
-    size_t count = 0, capacity = 0;
-    p->pos++; /* '[' */
+/* Arrays and objects share their punctuation. Right after the opening
+ * bracket: 1 (the bracket `close` consumed) when the container is empty. */
+static int container_closes(json_parser *p, char close) {
     skip_whitespace(p);
-    if (p->pos < p->len && p->text[p->pos] == ']') {
+    if (p->pos < p->len && p->text[p->pos] == close) {
         p->pos++;
-    } else {
-        while (1) {
-            if (count == capacity && grow(p, (void **)&items, &capacity, sizeof *items, "an array's items") < 0)
-                goto fail;
-            memset(&items[count], 0, sizeof items[count]);
-            if (parse_value(p, &items[count], depth + 1) < 0)
-                goto fail;
-            count++;
-            skip_whitespace(p);
-            if (p->pos < p->len && p->text[p->pos] == ',') {
-                p->pos++;
-                continue;
-            }
-            if (p->pos < p->len && p->text[p->pos] == ']') {
-                p->pos++;
-                break;
-            }
-            char desc[16];
-            parse_fail(p, p->pos, "expected ',' or ']' in array, found %s", describe_byte(p, p->pos, desc));
-            goto fail;
-        }
+        return 1;
     }
-    out->type = MC_JSON_ARRAY;
-    out->u.array.items = items;
-    out->u.array.count = count;
     return 0;
-fail:
-    for (size_t i = 0; i < count; i++)
-        free_value_contents(&items[i]);
-    free(items);
-    return -1;
 }
 
-static int parse_object(json_parser *p, mc_json_value *out, int depth) {
-    mc_json_member *members = NULL;
-    size_t count = 0, capacity = 0;
-    char desc[16];
-    p->pos++; /* '{' */
+/* After an element of an array or object (`what`): 1 when ',' follows
+ * (another element comes), 0 when `close` does (the container ends), -1
+ * with the error set otherwise; the separator is consumed. */
+static int after_element(json_parser *p, char close, const char *what) {
     skip_whitespace(p);
-    if (p->pos < p->len && p->text[p->pos] == '}') {
+    if (p->pos < p->len && p->text[p->pos] == ',') {
         p->pos++;
-    } else {
-        while (1) {
-            skip_whitespace(p);
-            if (p->pos >= p->len || p->text[p->pos] != '"') {
-                parse_fail(p, p->pos, "expected a string key in object, found %s",
-                           describe_byte(p, p->pos, desc));
-                goto fail;
-            }
-            if (count == capacity &&
-                grow(p, (void **)&members, &capacity, sizeof *members, "an object's members") < 0)
-                goto fail;
-            mc_json_member *m = &members[count];
-            memset(m, 0, sizeof *m);
-            m->key_offset = p->pos;
-            if (parse_string(p, &m->key, &m->key_len) < 0)
-                goto fail;
-            skip_whitespace(p);
-            if (p->pos >= p->len || p->text[p->pos] != ':') {
-                parse_fail(p, p->pos, "expected ':' after object key, found %s",
-                           describe_byte(p, p->pos, desc));
-                free(m->key);
-                goto fail;
-            }
-            p->pos++;
-            if (parse_value(p, &m->value, depth + 1) < 0) {
-                free(m->key);
-                goto fail;
-            }
-            count++;
-            skip_whitespace(p);
-            if (p->pos < p->len && p->text[p->pos] == ',') {
-                p->pos++;
-                continue;
-            }
-            if (p->pos < p->len && p->text[p->pos] == '}') {
-                p->pos++;
-                break;
-            }
-            parse_fail(p, p->pos, "expected ',' or '}' in object, found %s", describe_byte(p, p->pos, desc));
-            goto fail;
-        }
+        return 1;
     }
-    out->type = MC_JSON_OBJECT;
-    out->u.object.members = members;
-    out->u.object.count = count;
+    if (container_closes(p, close))
+        return 0;
+    char desc[16];
+    return parse_fail(p, p->pos, "expected ',' or '%c' in %s, found %s", close, what,
+                      describe_byte(p, p->pos, desc));
+}
+
+static int parse_array_item(json_parser *p, void *item, int depth) { return parse_value(p, item, depth); }
+
+static int parse_object_member(json_parser *p, void *item, int depth) {
+    mc_json_member *m = item;
+    char desc[16];
+    skip_whitespace(p);
+    if (p->pos >= p->len || p->text[p->pos] != '"')
+        return parse_fail(p, p->pos, "expected a string key in object, found %s", describe_byte(p, p->pos, desc));
+    m->key_offset = p->pos;
+    if (parse_string(p, &m->key, &m->key_len) < 0)
+        return -1;
+    skip_whitespace(p);
+    if (p->pos >= p->len || p->text[p->pos] != ':') {
+        parse_fail(p, p->pos, "expected ':' after object key, found %s", describe_byte(p, p->pos, desc));
+        free(m->key);
+        return -1;
+    }
+    p->pos++;
+    if (parse_value(p, &m->value, depth) < 0) {
+        free(m->key);
+        return -1;
+    }
+    return 0;
+}
+
+static const json_list_kind array_kind = {MC_JSON_ARRAY, ']', "array", sizeof(mc_json_value), parse_array_item, free_array_item};
+static const json_list_kind object_kind = {MC_JSON_OBJECT, '}', "object", sizeof(mc_json_member),
+                                           parse_object_member, free_object_member};
+
+/* An array or object, from its opening bracket at p->pos. */
+static int parse_list(json_parser *p, const json_list_kind *kind, int depth, mc_json_value *out) {
+    void *items = NULL;
+    size_t count = 0, capacity = 0;
+    p->pos++; /* the opening bracket */
+    int more = !container_closes(p, kind->close);
+    while (more) {
+        if (reserve_one(p, &items, count, &capacity, kind->item_size,
+                        kind->type == MC_JSON_ARRAY ? "an array's items" : "an object's members") < 0)
+            goto fail;
+        void *item = (char *)items + count * kind->item_size;
+        memset(item, 0, kind->item_size);
+        if (kind->parse_item(p, item, depth + 1) < 0)
+            goto fail;
+        count++;
+        if ((more = after_element(p, kind->close, kind->name)) < 0)
+            goto fail;
+    }
+    out->type = kind->type;
+    if (kind->type == MC_JSON_ARRAY) {
+        out->u.array.items = items;
+        out->u.array.count = count;
+    } else {
+        out->u.object.members = items;
+        out->u.object.count = count;
+    }
     return 0;
 fail:
-    free_members(members, count);
+    free_list(kind, items, count);
     return -1;
 }
 
@@ -400,8 +412,8 @@ static int parse_value(json_parser *p, mc_json_value *out, int depth) {
     if ((c == '[' || c == '{') && depth >= MC_JSON_MAX_DEPTH)
         return parse_fail(p, p->pos, "nesting deeper than %d levels", MC_JSON_MAX_DEPTH);
     switch (c) {
-    case '{': return parse_object(p, out, depth);
-    case '[': return parse_array(p, out, depth);
+    case '{': return parse_list(p, &object_kind, depth, out);
+    case '[': return parse_list(p, &array_kind, depth, out);
     case '"':
         if (parse_string(p, &out->u.string.chars, &out->u.string.len) < 0)
             return -1;
@@ -478,9 +490,11 @@ int mc_utf8_validate(const uint8_t *bytes, size_t len, size_t *bad_offset) {
     return 0;
 }
 
-/* Splits a number lexeme into sign and digits; rejects fractions/exponents. */
-static mc_json_int_result integer_digits(const mc_json_value *value, int *negative, const char **digits,
-                                         size_t *ndigits) {
+/* An integer lexeme as sign and magnitude. The failures, in the order they
+ * are tested: not a number, a fraction or exponent, a minus sign where
+ * `allow_negative` is 0 (including "-0"), a magnitude past UINT64_MAX. */
+static mc_json_int_result integer_magnitude(const mc_json_value *value, int allow_negative, int *negative,
+                                            uint64_t *magnitude) {
     if (value == NULL || value->type != MC_JSON_NUMBER)
         return MC_JSON_INT_NOT_NUMBER;
     const char *s = value->u.number.text;
@@ -493,48 +507,30 @@ static mc_json_int_result integer_digits(const mc_json_value *value, int *negati
     for (size_t i = 0; i < n; i++)
         if (!is_digit(s[i]))
             return MC_JSON_INT_NOT_INTEGER;
-    *digits = s;
-    *ndigits = n;
-    return MC_JSON_INT_OK;
-}
-
-/* Accumulates decimal digits into a uint64, stopping at overflow. */
-static int accumulate_u64(const char *digits, size_t n, uint64_t *out) {
+    if (*negative && !allow_negative)
+        return MC_JSON_INT_NEGATIVE;
     uint64_t v = 0;
     for (size_t i = 0; i < n; i++) {
-        uint64_t d = (uint64_t)(digits[i] - '0');
+        uint64_t d = (uint64_t)(s[i] - '0');
         if (v > (UINT64_MAX - d) / 10)
-            return -1;
+            return MC_JSON_INT_OVERFLOW;
         v = v * 10 + d;
     }
-    *out = v;
-    return 0;
+    *magnitude = v;
+    return MC_JSON_INT_OK;
 }
 
 mc_json_int_result mc_json_u64(const mc_json_value *value, uint64_t *out) {
     int negative;
-    const char *digits;
-    size_t n;
-    mc_json_int_result r = integer_digits(value, &negative, &digits, &n);
-    if (r != MC_JSON_INT_OK)
-        return r;
-    if (negative)
-        return MC_JSON_INT_NEGATIVE;
-    if (accumulate_u64(digits, n, out) < 0)
-        return MC_JSON_INT_OVERFLOW;
-    return MC_JSON_INT_OK;
+    return integer_magnitude(value, 0, &negative, out);
 }
 
 mc_json_int_result mc_json_i64(const mc_json_value *value, int64_t *out) {
     int negative;
-    const char *digits;
-    size_t n;
-    mc_json_int_result r = integer_digits(value, &negative, &digits, &n);
+    uint64_t magnitude;
+    mc_json_int_result r = integer_magnitude(value, 1, &negative, &magnitude);
     if (r != MC_JSON_INT_OK)
         return r;
-    uint64_t magnitude;
-    if (accumulate_u64(digits, n, &magnitude) < 0)
-        return MC_JSON_INT_OVERFLOW;
     if (negative) {
         if (magnitude > (uint64_t)INT64_MAX + 1)
             return MC_JSON_INT_OVERFLOW;

@@ -42,11 +42,100 @@ typedef struct inc_conv {
     float *b; /* folded [cout] */
 } inc_conv;
 
-typedef struct inc_a { inc_conv b1x1, b5_1, b5_2, d1, d2, d3, pool; } inc_a;
-typedef struct inc_b { inc_conv b3, d1, d2, d3; } inc_b;
-typedef struct inc_c { inc_conv b1x1, c1, c2, c3, d1, d2, d3, d4, d5, pool; } inc_c;
-typedef struct inc_d { inc_conv a1, a2, b1, b2, b3, b4; } inc_d;
-typedef struct inc_e { inc_conv b1x1, a1, a2a, a2b, d1, d2, d3a, d3b, pool; } inc_e;
+/* One BasicConv2d of a mixed block, as tests/reference/inception.py's
+ * BRANCHES table lists it: the branch name (the key after the block's),
+ * kernel, stride, padding, and what feeds it. A conv that feeds no later
+ * one ends its branch and writes the next channel slice of the block
+ * output, in table order. */
+enum { FROM_X = -1, FROM_POOL = -2 }; /* the block input; the pooled block input */
+
+typedef struct inc_conv_spec {
+    const char *branch;
+    int kh, kw, stride, ph, pw;
+    int from; /* FROM_X, FROM_POOL, or the index of the conv that feeds this one */
+} inc_conv_spec;
+
+#define INC_MAX_CONVS 10
+
+typedef struct inc_block_kind {
+    int n_convs;
+    inc_conv_spec conv[INC_MAX_CONVS];
+    int pool_max;     /* FROM_POOL pools 3x3 s1 p1: max (FIDInceptionE_2) or average */
+    int max_pool_out; /* the last slice is a 3x3 s2 max pool of the input (InceptionB, D) */
+} inc_block_kind;
+
+/* 1x1 convs, kh x kw s1 "same" convs, k x k s2 valid convs. */
+#define ONE(name, from) {name, 1, 1, 1, 0, 0, from}
+#define SAME(name, kh, kw, from) {name, kh, kw, 1, (kh) / 2, (kw) / 2, from}
+#define DOWN(name, k, from) {name, k, k, 2, 0, 0, from}
+
+static const inc_block_kind KIND_A = {
+    7,
+    {ONE("branch1x1", FROM_X), ONE("branch5x5_1", FROM_X), SAME("branch5x5_2", 5, 5, 1),
+     ONE("branch3x3dbl_1", FROM_X), SAME("branch3x3dbl_2", 3, 3, 3), SAME("branch3x3dbl_3", 3, 3, 4),
+     ONE("branch_pool", FROM_POOL)},
+    0, 0};
+static const inc_block_kind KIND_B = {
+    4,
+    {DOWN("branch3x3", 3, FROM_X), ONE("branch3x3dbl_1", FROM_X), SAME("branch3x3dbl_2", 3, 3, 1),
+     DOWN("branch3x3dbl_3", 3, 2)},
+    0, 1};
+static const inc_block_kind KIND_C = {
+    10,
+    {ONE("branch1x1", FROM_X), ONE("branch7x7_1", FROM_X), SAME("branch7x7_2", 1, 7, 1),
+     SAME("branch7x7_3", 7, 1, 2), ONE("branch7x7dbl_1", FROM_X), SAME("branch7x7dbl_2", 7, 1, 4),
+     SAME("branch7x7dbl_3", 1, 7, 5), SAME("branch7x7dbl_4", 7, 1, 6), SAME("branch7x7dbl_5", 1, 7, 7),
+     ONE("branch_pool", FROM_POOL)},
+    0, 0};
+static const inc_block_kind KIND_D = {
+    6,
+    {ONE("branch3x3_1", FROM_X), DOWN("branch3x3_2", 3, 0), ONE("branch7x7x3_1", FROM_X),
+     SAME("branch7x7x3_2", 1, 7, 2), SAME("branch7x7x3_3", 7, 1, 3), DOWN("branch7x7x3_4", 3, 4)},
+    0, 1};
+#define KIND_E_CONVS                                                                                     \
+    {ONE("branch1x1", FROM_X), ONE("branch3x3_1", FROM_X), SAME("branch3x3_2a", 1, 3, 1),               \
+     SAME("branch3x3_2b", 3, 1, 1), ONE("branch3x3dbl_1", FROM_X), SAME("branch3x3dbl_2", 3, 3, 4),     \
+     SAME("branch3x3dbl_3a", 1, 3, 5), SAME("branch3x3dbl_3b", 3, 1, 5), ONE("branch_pool", FROM_POOL)}
+static const inc_block_kind KIND_E1 = {9, KIND_E_CONVS, 0, 0};
+static const inc_block_kind KIND_E2 = {9, KIND_E_CONVS, 1, 0};
+
+#undef ONE
+#undef SAME
+#undef DOWN
+
+/* Whether conv i of a block feeds a later one (else it ends its branch). */
+static int feeds_another(const inc_block_kind *kind, int i) {
+    for (int j = i + 1; j < kind->n_convs; j++)
+        if (kind->conv[j].from == i)
+            return 1;
+    return 0;
+}
+
+typedef struct inc_block {
+    const inc_block_kind *kind;
+    inc_conv conv[INC_MAX_CONVS];
+    int64_t cin, cout; /* cout: the concatenated output's width */
+} inc_block;
+
+/* The stem: convs, each possibly followed by a 3x3 s2 max pool. */
+#define INC_STEM 5
+static const struct {
+    const char *name;
+    int k, stride, pad, max_pool_after;
+} STEM[INC_STEM] = {
+    {"Conv2d_1a_3x3", 3, 2, 0, 0}, {"Conv2d_2a_3x3", 3, 1, 0, 0}, {"Conv2d_2b_3x3", 3, 1, 1, 1},
+    {"Conv2d_3b_1x1", 1, 1, 0, 0}, {"Conv2d_4a_3x3", 3, 1, 0, 1},
+};
+
+#define INC_MIXED 11
+static const struct {
+    const char *name;
+    const inc_block_kind *kind;
+} MIXED[INC_MIXED] = {
+    {"Mixed_5b", &KIND_A}, {"Mixed_5c", &KIND_A}, {"Mixed_5d", &KIND_A}, {"Mixed_6a", &KIND_B},
+    {"Mixed_6b", &KIND_C}, {"Mixed_6c", &KIND_C}, {"Mixed_6d", &KIND_C}, {"Mixed_6e", &KIND_C},
+    {"Mixed_7a", &KIND_D}, {"Mixed_7b", &KIND_E1}, {"Mixed_7c", &KIND_E2},
+};
 
 enum { SLOT_X, SLOT_Y, SLOT_T1, SLOT_T2, SLOT_POOL, SLOT_LOGITS, SLOT_COUNT };
 
@@ -55,12 +144,8 @@ struct mc_inception {
     mc_inception_info info;
     mc_alloc_list weights;
 
-    inc_conv c1a, c2a, c2b, c3b, c4a;
-    inc_a m5b, m5c, m5d;
-    inc_b m6a;
-    inc_c m6b, m6c, m6d, m6e;
-    inc_d m7a;
-    inc_e m7b, m7c;
+    inc_conv stem[INC_STEM];
+    inc_block mixed[INC_MIXED];
     float *fc_w; /* [num_classes, feature_dim] */
 
     /* Named activation buffers (backend/workspace.h), indexed by the SLOT_
@@ -177,77 +262,22 @@ static mc_status load_conv(inc_loader *L, inc_conv *c, const char *prefix, int64
     return st;
 }
 
-#define LOADC(conv, block, branch, cin, kh, kw, sh, sw, ph, pw)                                \
-    do {                                                                                     \
-        char prefix_[INC_NAME_LEN];                                                          \
-        snprintf(prefix_, sizeof prefix_, "%s.%s", block, branch);                           \
-        MC_TRY(load_conv(L, conv, prefix_, cin, kh, kw, sh, sw, ph, pw));                    \
-    } while (0)
-
-static mc_status load_a(inc_loader *L, inc_a *m, const char *name, int64_t cin, int64_t *cout) {
-    LOADC(&m->b1x1, name, "branch1x1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->b5_1, name, "branch5x5_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->b5_2, name, "branch5x5_2", m->b5_1.cout, 5, 5, 1, 1, 2, 2);
-    LOADC(&m->d1, name, "branch3x3dbl_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->d2, name, "branch3x3dbl_2", m->d1.cout, 3, 3, 1, 1, 1, 1);
-    LOADC(&m->d3, name, "branch3x3dbl_3", m->d2.cout, 3, 3, 1, 1, 1, 1);
-    LOADC(&m->pool, name, "branch_pool", cin, 1, 1, 1, 1, 0, 0);
-    *cout = m->b1x1.cout + m->b5_2.cout + m->d3.cout + m->pool.cout;
+/* Every conv of a mixed block, its input widths from its feeders'. */
+static mc_status load_block(inc_loader *L, inc_block *m, const inc_block_kind *kind, const char *name,
+                            int64_t cin) {
+    m->kind = kind;
+    m->cin = cin;
+    m->cout = kind->max_pool_out ? cin : 0;
+    for (int i = 0; i < kind->n_convs; i++) {
+        const inc_conv_spec *s = &kind->conv[i];
+        char prefix[INC_NAME_LEN];
+        snprintf(prefix, sizeof prefix, "%s.%s", name, s->branch);
+        const int64_t in = s->from >= 0 ? m->conv[s->from].cout : cin;
+        MC_TRY(load_conv(L, &m->conv[i], prefix, in, s->kh, s->kw, s->stride, s->stride, s->ph, s->pw));
+        if (!feeds_another(kind, i))
+            m->cout += m->conv[i].cout;
+    }
     return MC_OK;
-}
-
-static mc_status load_b(inc_loader *L, inc_b *m, const char *name, int64_t cin, int64_t *cout) {
-    LOADC(&m->b3, name, "branch3x3", cin, 3, 3, 2, 2, 0, 0);
-    LOADC(&m->d1, name, "branch3x3dbl_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->d2, name, "branch3x3dbl_2", m->d1.cout, 3, 3, 1, 1, 1, 1);
-    LOADC(&m->d3, name, "branch3x3dbl_3", m->d2.cout, 3, 3, 2, 2, 0, 0);
-    *cout = m->b3.cout + m->d3.cout + cin;
-    return MC_OK;
-}
-
-static mc_status load_c(inc_loader *L, inc_c *m, const char *name, int64_t cin, int64_t *cout) {
-    LOADC(&m->b1x1, name, "branch1x1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->c1, name, "branch7x7_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->c2, name, "branch7x7_2", m->c1.cout, 1, 7, 1, 1, 0, 3);
-    LOADC(&m->c3, name, "branch7x7_3", m->c2.cout, 7, 1, 1, 1, 3, 0);
-    LOADC(&m->d1, name, "branch7x7dbl_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->d2, name, "branch7x7dbl_2", m->d1.cout, 7, 1, 1, 1, 3, 0);
-    LOADC(&m->d3, name, "branch7x7dbl_3", m->d2.cout, 1, 7, 1, 1, 0, 3);
-    LOADC(&m->d4, name, "branch7x7dbl_4", m->d3.cout, 7, 1, 1, 1, 3, 0);
-    LOADC(&m->d5, name, "branch7x7dbl_5", m->d4.cout, 1, 7, 1, 1, 0, 3);
-    LOADC(&m->pool, name, "branch_pool", cin, 1, 1, 1, 1, 0, 0);
-    *cout = m->b1x1.cout + m->c3.cout + m->d5.cout + m->pool.cout;
-    return MC_OK;
-}
-
-static mc_status load_d(inc_loader *L, inc_d *m, const char *name, int64_t cin, int64_t *cout) {
-    LOADC(&m->a1, name, "branch3x3_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->a2, name, "branch3x3_2", m->a1.cout, 3, 3, 2, 2, 0, 0);
-    LOADC(&m->b1, name, "branch7x7x3_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->b2, name, "branch7x7x3_2", m->b1.cout, 1, 7, 1, 1, 0, 3);
-    LOADC(&m->b3, name, "branch7x7x3_3", m->b2.cout, 7, 1, 1, 1, 3, 0);
-    LOADC(&m->b4, name, "branch7x7x3_4", m->b3.cout, 3, 3, 2, 2, 0, 0);
-    *cout = m->a2.cout + m->b4.cout + cin;
-    return MC_OK;
-}
-
-static mc_status load_e(inc_loader *L, inc_e *m, const char *name, int64_t cin, int64_t *cout) {
-    LOADC(&m->b1x1, name, "branch1x1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->a1, name, "branch3x3_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->a2a, name, "branch3x3_2a", m->a1.cout, 1, 3, 1, 1, 0, 1);
-    LOADC(&m->a2b, name, "branch3x3_2b", m->a1.cout, 3, 1, 1, 1, 1, 0);
-    LOADC(&m->d1, name, "branch3x3dbl_1", cin, 1, 1, 1, 1, 0, 0);
-    LOADC(&m->d2, name, "branch3x3dbl_2", m->d1.cout, 3, 3, 1, 1, 1, 1);
-    LOADC(&m->d3a, name, "branch3x3dbl_3a", m->d2.cout, 1, 3, 1, 1, 0, 1);
-    LOADC(&m->d3b, name, "branch3x3dbl_3b", m->d2.cout, 3, 1, 1, 1, 1, 0);
-    LOADC(&m->pool, name, "branch_pool", cin, 1, 1, 1, 1, 0, 0);
-    *cout = m->b1x1.cout + m->a2a.cout + m->a2b.cout + m->d3a.cout + m->d3b.cout + m->pool.cout;
-    return MC_OK;
-}
-
-static mc_status load_stem(inc_loader *L, inc_conv *c, const char *name, int64_t cin, int k, int s,
-                           int p) {
-    return load_conv(L, c, name, cin, k, k, s, s, p, p);
 }
 
 static int ends_with(const char *s, const char *suffix) {
@@ -276,33 +306,35 @@ static mc_status check_nothing_left(const mc_st_file *file, inc_loader *L) {
     return MC_OK;
 }
 
+/* The output width of the conv named `branch` in block m (0 if none). */
+static int64_t branch_width(const inc_block *m, const char *branch) {
+    for (int i = 0; i < m->kind->n_convs; i++)
+        if (strcmp(m->kind->conv[i].branch, branch) == 0)
+            return m->conv[i].cout;
+    return 0;
+}
+
 /* Widths of the real network, to tell a test-sized one apart. */
 static int is_standard(const mc_inception *net) {
-    return net->c1a.cout == 32 && net->c2a.cout == 32 && net->c2b.cout == 64 &&
-           net->c3b.cout == 80 && net->c4a.cout == 192 && net->m5b.pool.cout == 32 &&
-           net->m5c.pool.cout == 64 && net->m6b.c1.cout == 128 && net->m6c.c1.cout == 160 &&
-           net->m6e.c1.cout == 192 && net->m7a.a2.cout == 320 && net->info.feature_dim == 2048 &&
-           net->info.num_classes == 1008;
+    return net->stem[0].cout == 32 && net->stem[1].cout == 32 && net->stem[2].cout == 64 &&
+           net->stem[3].cout == 80 && net->stem[4].cout == 192 &&
+           branch_width(&net->mixed[0], "branch_pool") == 32 && branch_width(&net->mixed[1], "branch_pool") == 64 &&
+           branch_width(&net->mixed[4], "branch7x7_1") == 128 && branch_width(&net->mixed[5], "branch7x7_1") == 160 &&
+           branch_width(&net->mixed[7], "branch7x7_1") == 192 && branch_width(&net->mixed[8], "branch3x3_2") == 320 &&
+           net->info.feature_dim == 2048 && net->info.num_classes == 1008;
 }
 
 static mc_status load_all(inc_loader *L, mc_inception *net) {
-    int64_t c;
-    MC_TRY(load_stem(L, &net->c1a, "Conv2d_1a_3x3", 3, 3, 2, 0));
-    MC_TRY(load_stem(L, &net->c2a, "Conv2d_2a_3x3", net->c1a.cout, 3, 1, 0));
-    MC_TRY(load_stem(L, &net->c2b, "Conv2d_2b_3x3", net->c2a.cout, 3, 1, 1));
-    MC_TRY(load_stem(L, &net->c3b, "Conv2d_3b_1x1", net->c2b.cout, 1, 1, 0));
-    MC_TRY(load_stem(L, &net->c4a, "Conv2d_4a_3x3", net->c3b.cout, 3, 1, 0));
-    MC_TRY(load_a(L, &net->m5b, "Mixed_5b", net->c4a.cout, &c));
-    MC_TRY(load_a(L, &net->m5c, "Mixed_5c", c, &c));
-    MC_TRY(load_a(L, &net->m5d, "Mixed_5d", c, &c));
-    MC_TRY(load_b(L, &net->m6a, "Mixed_6a", c, &c));
-    MC_TRY(load_c(L, &net->m6b, "Mixed_6b", c, &c));
-    MC_TRY(load_c(L, &net->m6c, "Mixed_6c", c, &c));
-    MC_TRY(load_c(L, &net->m6d, "Mixed_6d", c, &c));
-    MC_TRY(load_c(L, &net->m6e, "Mixed_6e", c, &c));
-    MC_TRY(load_d(L, &net->m7a, "Mixed_7a", c, &c));
-    MC_TRY(load_e(L, &net->m7b, "Mixed_7b", c, &c));
-    MC_TRY(load_e(L, &net->m7c, "Mixed_7c", c, &c));
+    int64_t c = 3;
+    for (int i = 0; i < INC_STEM; i++) {
+        MC_TRY(load_conv(L, &net->stem[i], STEM[i].name, c, STEM[i].k, STEM[i].k, STEM[i].stride,
+                         STEM[i].stride, STEM[i].pad, STEM[i].pad));
+        c = net->stem[i].cout;
+    }
+    for (int i = 0; i < INC_MIXED; i++) {
+        MC_TRY(load_block(L, &net->mixed[i], MIXED[i].kind, MIXED[i].name, c));
+        c = net->mixed[i].cout;
+    }
     net->info.feature_dim = c;
 
     int ndim;
@@ -406,175 +438,74 @@ static mc_status check_cancel(inc_run *r) {
     return MC_OK;
 }
 
-/* Each block reads x (slot xs, contiguous, cin channels) at h x w and writes
- * its concatenation into slot ys (contiguous, its output width), updating
- * h and w. */
-static mc_status block_a(inc_run *r, const inc_a *m, int xs, int ys, int64_t cin, int64_t *h,
-                         int64_t *w) {
-    const int64_t cout = m->b1x1.cout + m->b5_2.cout + m->d3.cout + m->pool.cout;
-    inc_view x = view(xs, 0, cin);
-    int64_t oh, ow, col = 0;
-    MC_TRY(conv(r, &m->b1x1, x, *h, *w, view(ys, col, cout), &oh, &ow));
-    col += m->b1x1.cout;
-    MC_TRY(conv(r, &m->b5_1, x, *h, *w, view(SLOT_T1, 0, m->b5_1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->b5_2, view(SLOT_T1, 0, m->b5_1.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->b5_2.cout;
-    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d3, view(SLOT_T2, 0, m->d2.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->d3.cout;
-    MC_TRY(pool(r, 0, 1, x, cin, *h, *w, view(SLOT_T1, 0, cin), &oh, &ow));
-    MC_TRY(conv(r, &m->pool, view(SLOT_T1, 0, cin), oh, ow, view(ys, col, cout), &oh, &ow));
-    *h = oh;
-    *w = ow;
-    return MC_OK;
-}
-
-static mc_status block_b(inc_run *r, const inc_b *m, int xs, int ys, int64_t cin, int64_t *h,
-                         int64_t *w) {
-    const int64_t cout = m->b3.cout + m->d3.cout + cin;
-    inc_view x = view(xs, 0, cin);
-    int64_t oh, ow, col = 0;
-    MC_TRY(conv(r, &m->b3, x, *h, *w, view(ys, col, cout), &oh, &ow));
-    col += m->b3.cout;
-    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d3, view(SLOT_T2, 0, m->d2.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->d3.cout;
-    MC_TRY(pool(r, 1, 2, x, cin, *h, *w, view(ys, col, cout), &oh, &ow));
-    *h = oh;
-    *w = ow;
-    return MC_OK;
-}
-
-static mc_status block_c(inc_run *r, const inc_c *m, int xs, int ys, int64_t cin, int64_t *h,
-                         int64_t *w) {
-    const int64_t cout = m->b1x1.cout + m->c3.cout + m->d5.cout + m->pool.cout;
-    inc_view x = view(xs, 0, cin);
-    int64_t oh, ow, col = 0;
-    MC_TRY(conv(r, &m->b1x1, x, *h, *w, view(ys, col, cout), &oh, &ow));
-    col += m->b1x1.cout;
-    MC_TRY(conv(r, &m->c1, x, *h, *w, view(SLOT_T1, 0, m->c1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->c2, view(SLOT_T1, 0, m->c1.cout), oh, ow, view(SLOT_T2, 0, m->c2.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->c3, view(SLOT_T2, 0, m->c2.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->c3.cout;
-    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d3, view(SLOT_T2, 0, m->d2.cout), oh, ow, view(SLOT_T1, 0, m->d3.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d4, view(SLOT_T1, 0, m->d3.cout), oh, ow, view(SLOT_T2, 0, m->d4.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d5, view(SLOT_T2, 0, m->d4.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->d5.cout;
-    MC_TRY(pool(r, 0, 1, x, cin, *h, *w, view(SLOT_T1, 0, cin), &oh, &ow));
-    MC_TRY(conv(r, &m->pool, view(SLOT_T1, 0, cin), oh, ow, view(ys, col, cout), &oh, &ow));
-    *h = oh;
-    *w = ow;
-    return MC_OK;
-}
-
-static mc_status block_d(inc_run *r, const inc_d *m, int xs, int ys, int64_t cin, int64_t *h,
-                         int64_t *w) {
-    const int64_t cout = m->a2.cout + m->b4.cout + cin;
-    inc_view x = view(xs, 0, cin);
-    int64_t oh, ow, col = 0;
-    MC_TRY(conv(r, &m->a1, x, *h, *w, view(SLOT_T1, 0, m->a1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->a2, view(SLOT_T1, 0, m->a1.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->a2.cout;
-    MC_TRY(conv(r, &m->b1, x, *h, *w, view(SLOT_T1, 0, m->b1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->b2, view(SLOT_T1, 0, m->b1.cout), oh, ow, view(SLOT_T2, 0, m->b2.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->b3, view(SLOT_T2, 0, m->b2.cout), oh, ow, view(SLOT_T1, 0, m->b3.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->b4, view(SLOT_T1, 0, m->b3.cout), oh, ow, view(ys, col, cout), &oh, &ow));
-    col += m->b4.cout;
-    MC_TRY(pool(r, 1, 2, x, cin, *h, *w, view(ys, col, cout), &oh, &ow));
-    *h = oh;
-    *w = ow;
-    return MC_OK;
-}
-
-static mc_status block_e(inc_run *r, const inc_e *m, int max_pool, int xs, int ys, int64_t cin,
-                         int64_t *h, int64_t *w) {
-    const int64_t cout =
-        m->b1x1.cout + m->a2a.cout + m->a2b.cout + m->d3a.cout + m->d3b.cout + m->pool.cout;
-    inc_view x = view(xs, 0, cin);
-    int64_t oh, ow, h1, w1, col = 0;
-    MC_TRY(conv(r, &m->b1x1, x, *h, *w, view(ys, col, cout), &oh, &ow));
-    col += m->b1x1.cout;
-    MC_TRY(conv(r, &m->a1, x, *h, *w, view(SLOT_T1, 0, m->a1.cout), &h1, &w1));
-    MC_TRY(conv(r, &m->a2a, view(SLOT_T1, 0, m->a1.cout), h1, w1, view(ys, col, cout), &oh, &ow));
-    col += m->a2a.cout;
-    MC_TRY(conv(r, &m->a2b, view(SLOT_T1, 0, m->a1.cout), h1, w1, view(ys, col, cout), &oh, &ow));
-    col += m->a2b.cout;
-    MC_TRY(conv(r, &m->d1, x, *h, *w, view(SLOT_T1, 0, m->d1.cout), &oh, &ow));
-    MC_TRY(conv(r, &m->d2, view(SLOT_T1, 0, m->d1.cout), oh, ow, view(SLOT_T2, 0, m->d2.cout), &h1, &w1));
-    MC_TRY(conv(r, &m->d3a, view(SLOT_T2, 0, m->d2.cout), h1, w1, view(ys, col, cout), &oh, &ow));
-    col += m->d3a.cout;
-    MC_TRY(conv(r, &m->d3b, view(SLOT_T2, 0, m->d2.cout), h1, w1, view(ys, col, cout), &oh, &ow));
-    col += m->d3b.cout;
-    MC_TRY(pool(r, max_pool, 1, x, cin, *h, *w, view(SLOT_T1, 0, cin), &oh, &ow));
-    MC_TRY(conv(r, &m->pool, view(SLOT_T1, 0, cin), oh, ow, view(ys, col, cout), &oh, &ow));
-    *h = oh;
-    *w = ow;
+/* A mixed block reads x (slot xs, contiguous, m->cin channels) at h x w and
+ * writes its concatenation into slot ys (contiguous, m->cout channels),
+ * each branch's last conv straight into its channel slice, updating h and
+ * w. Intermediates alternate between the temporaries: a conv fed from T1
+ * writes T2, any other T1 (the pooled input of branch_pool is in T1). */
+static mc_status run_block(inc_run *r, const inc_block *m, int xs, int ys, int64_t *h, int64_t *w) {
+    const inc_block_kind *kind = m->kind;
+    const inc_view x = view(xs, 0, m->cin);
+    int64_t oh[INC_MAX_CONVS], ow[INC_MAX_CONVS], col = 0, out_h = 0, out_w = 0;
+    int slot[INC_MAX_CONVS];
+    for (int i = 0; i < kind->n_convs; i++) {
+        const inc_conv_spec *s = &kind->conv[i];
+        inc_view in = x;
+        int64_t ih = *h, iw = *w;
+        if (s->from == FROM_POOL) {
+            in = view(SLOT_T1, 0, m->cin);
+            MC_TRY(pool(r, kind->pool_max, 1, x, m->cin, *h, *w, in, &ih, &iw));
+        } else if (s->from >= 0) {
+            in = view(slot[s->from], 0, m->conv[s->from].cout);
+            ih = oh[s->from];
+            iw = ow[s->from];
+        }
+        const int ends_branch = !feeds_another(kind, i);
+        slot[i] = in.slot == SLOT_T1 ? SLOT_T2 : SLOT_T1;
+        const inc_view out = ends_branch ? view(ys, col, m->cout) : view(slot[i], 0, m->conv[i].cout);
+        MC_TRY(conv(r, &m->conv[i], in, ih, iw, out, &oh[i], &ow[i]));
+        if (ends_branch) {
+            col += m->conv[i].cout;
+            out_h = oh[i];
+            out_w = ow[i];
+        }
+    }
+    if (kind->max_pool_out)
+        MC_TRY(pool(r, 1, 2, x, m->cin, *h, *w, view(ys, col, m->cout), &out_h, &out_w));
+    *h = out_h;
+    *w = out_w;
     return MC_OK;
 }
 
 /* The network from the resized input in SLOT_X to the pooled features in
- * SLOT_POOL and the unbiased logits in SLOT_LOGITS. */
+ * SLOT_POOL and the unbiased logits in SLOT_LOGITS. Every layer reads one of
+ * X and Y and writes the other; c is the running width. */
 static mc_status run_network(inc_run *r) {
     mc_inception *net = r->net;
-    int64_t h = MC_INCEPTION_SIZE, w = MC_INCEPTION_SIZE, oh, ow;
-    if (r->plan)
-        record(r, view(SLOT_X, 0, 3), h * w);
-    /* Stem: X -> Y -> X -> Y, pool -> X, -> Y -> X, pool -> Y. */
-    MC_TRY(conv(r, &net->c1a, view(SLOT_X, 0, 3), h, w, view(SLOT_Y, 0, net->c1a.cout), &h, &w));
-    MC_TRY(conv(r, &net->c2a, view(SLOT_Y, 0, net->c1a.cout), h, w, view(SLOT_X, 0, net->c2a.cout), &h, &w));
-    MC_TRY(conv(r, &net->c2b, view(SLOT_X, 0, net->c2a.cout), h, w, view(SLOT_Y, 0, net->c2b.cout), &h, &w));
-    MC_TRY(pool(r, 1, 2, view(SLOT_Y, 0, net->c2b.cout), net->c2b.cout, h, w,
-                view(SLOT_X, 0, net->c2b.cout), &oh, &ow));
-    h = oh;
-    w = ow;
-    MC_TRY(conv(r, &net->c3b, view(SLOT_X, 0, net->c2b.cout), h, w, view(SLOT_Y, 0, net->c3b.cout), &h, &w));
-    MC_TRY(conv(r, &net->c4a, view(SLOT_Y, 0, net->c3b.cout), h, w, view(SLOT_X, 0, net->c4a.cout), &h, &w));
-    MC_TRY(pool(r, 1, 2, view(SLOT_X, 0, net->c4a.cout), net->c4a.cout, h, w,
-                view(SLOT_Y, 0, net->c4a.cout), &oh, &ow));
-    h = oh;
-    w = ow;
-    MC_TRY(check_cancel(r));
-
-    /* Mixed blocks alternate Y -> X -> Y ...; c is the running width. */
-    int64_t c = net->c4a.cout;
-    const inc_a *as[3] = {&net->m5b, &net->m5c, &net->m5d};
-    int cur = SLOT_Y, nxt = SLOT_X;
+    int64_t h = MC_INCEPTION_SIZE, w = MC_INCEPTION_SIZE, c = 3;
+    int cur = SLOT_X, nxt = SLOT_Y;
 #define SWAP_SLOTS()       \
     do {                   \
         int t_ = cur;      \
         cur = nxt;         \
         nxt = t_;          \
     } while (0)
-    for (int i = 0; i < 3; i++) {
-        MC_TRY(block_a(r, as[i], cur, nxt, c, &h, &w));
-        c = as[i]->b1x1.cout + as[i]->b5_2.cout + as[i]->d3.cout + as[i]->pool.cout;
+    if (r->plan)
+        record(r, view(SLOT_X, 0, 3), h * w);
+    for (int i = 0; i < INC_STEM; i++) {
+        const inc_conv *cv = &net->stem[i];
+        MC_TRY(conv(r, cv, view(cur, 0, c), h, w, view(nxt, 0, cv->cout), &h, &w));
+        c = cv->cout;
         SWAP_SLOTS();
-        MC_TRY(check_cancel(r));
+        if (STEM[i].max_pool_after) {
+            MC_TRY(pool(r, 1, 2, view(cur, 0, c), c, h, w, view(nxt, 0, c), &h, &w));
+            SWAP_SLOTS();
+        }
     }
-    MC_TRY(block_b(r, &net->m6a, cur, nxt, c, &h, &w));
-    c = net->m6a.b3.cout + net->m6a.d3.cout + c;
-    SWAP_SLOTS();
     MC_TRY(check_cancel(r));
-    const inc_c *cs[4] = {&net->m6b, &net->m6c, &net->m6d, &net->m6e};
-    for (int i = 0; i < 4; i++) {
-        MC_TRY(block_c(r, cs[i], cur, nxt, c, &h, &w));
-        c = cs[i]->b1x1.cout + cs[i]->c3.cout + cs[i]->d5.cout + cs[i]->pool.cout;
-        SWAP_SLOTS();
-        MC_TRY(check_cancel(r));
-    }
-    MC_TRY(block_d(r, &net->m7a, cur, nxt, c, &h, &w));
-    c = net->m7a.a2.cout + net->m7a.b4.cout + c;
-    SWAP_SLOTS();
-    MC_TRY(check_cancel(r));
-    const inc_e *es[2] = {&net->m7b, &net->m7c};
-    for (int i = 0; i < 2; i++) {
-        MC_TRY(block_e(r, es[i], i == 1, cur, nxt, c, &h, &w));
-        c = es[i]->b1x1.cout + es[i]->a2a.cout + es[i]->a2b.cout + es[i]->d3a.cout +
-            es[i]->d3b.cout + es[i]->pool.cout;
+    for (int i = 0; i < INC_MIXED; i++) {
+        MC_TRY(run_block(r, &net->mixed[i], cur, nxt, &h, &w));
+        c = net->mixed[i].cout;
         SWAP_SLOTS();
         MC_TRY(check_cancel(r));
     }

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../io/bind_shorthand.h"
+
 #define MAR_LN_EPS 1e-6f
 #define MAR_TIME_FREQ_DIM 256
 /* Rows of the MLP hidden activation held at once: bounds memory at large
@@ -146,13 +148,6 @@ static mc_status read_config(mc_loader *ld, int heads_override, mc_mar_config *c
                        (long long)cfg->enc_heads, (long long)cfg->dec_heads);
     return MC_OK;
 }
-
-#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-#define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
-#define BIND(dst, name, ...) MC_TRY(mc_bind(ld, name, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), MC_BIND_AS_IS, &(dst)))
-#define BINDF(dst, dims, fmt, ...) MC_TRY(mc_bindf(ld, &(dst), NDIM dims, SHAPE dims, fmt, __VA_ARGS__))
-/* A Linear layer's weight [out, in], in the backend's linear_wtype. */
-#define LBIND(dst, out, in, ...) MC_TRY(mc_bind_linearf(ld, &(dst), out, in, __VA_ARGS__))
 
 static mc_status bind_blocks(mc_loader *ld, const char *prefix, int64_t depth, int64_t width,
                              int64_t hidden, mc_mar_block *blocks) {

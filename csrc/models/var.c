@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../io/bind_shorthand.h"
+
 /* All LayerNorms of VAR: no affine, eps 1e-6 (A1 norm_eps). */
 #define VAR_LN_EPS 1e-6f
 /* Rows of the FFN hidden activation held at once: bounds its memory at
@@ -252,12 +254,6 @@ static mc_status read_config(mc_loader *ld, mc_var_config *c) {
                        meta != NULL ? "" : ": add metadata 'patch_nums' for other models");
     return MC_OK;
 }
-
-#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-#define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
-#define BIND(dst, name, ...) MC_TRY(mc_bind(ld, name, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), MC_BIND_AS_IS, &(dst)))
-#define BINDF(dst, dims, fmt, ...) MC_TRY(mc_bindf(ld, &(dst), NDIM dims, SHAPE dims, fmt, __VA_ARGS__))
-#define LBIND(dst, out, in, ...) MC_TRY(mc_bind_linearf(ld, &(dst), out, in, __VA_ARGS__))
 
 /* exp(min(v, ln 100)) as the official code computes it in float32: the cap
  * is torch.log(torch.tensor(100)).item(), i.e. ln 100 rounded to float32

@@ -12,16 +12,12 @@
 #endif
 
 int mcpy_parse_wtype(const char *dtype, mc_wtype *out) {
-    if (strcmp(dtype, "fp32") == 0)
-        *out = MC_WTYPE_F32;
-    else if (strcmp(dtype, "bf16") == 0)
-        *out = MC_WTYPE_BF16;
-    else if (strcmp(dtype, "fp16") == 0)
-        *out = MC_WTYPE_F16;
-    else {
-        PyErr_Format(PyExc_ValueError, "dtype must be 'fp32', 'bf16' or 'fp16', got '%s'", dtype);
+    static const char *const names[] = {"fp32", "bf16", "fp16", NULL};
+    static const mc_wtype wtypes[] = {MC_WTYPE_F32, MC_WTYPE_BF16, MC_WTYPE_F16};
+    const int i = mcpy_choice(dtype, names, "dtype");
+    if (i < 0)
         return -1;
-    }
+    *out = wtypes[i];
     return 0;
 }
 

@@ -4,8 +4,6 @@
  * mapped and validated and while tensors are converted. */
 #include "py_numpy.h"
 
-#include <string.h>
-
 #include "../io/bind.h"
 #include "../io/safetensors.h"
 #include "py_backend.h"
@@ -66,12 +64,9 @@ static int converts_to_f32(mc_dtype dtype) {
     return dtype == MC_DT_F32 || dtype == MC_DT_F16 || dtype == MC_DT_BF16 || dtype == MC_DT_F64;
 }
 
-static PyObject *py_safetensors_read(PyObject *self, PyObject *path_arg) {
-    (void)self;
-    mc_st_file *file = open_without_gil(path_arg);
-    if (file == NULL)
-        return NULL;
-    PyObject *tensors = NULL, *metadata = NULL, *result = NULL;
+/* Every tensor of the file as a float32 array: {name: array}. */
+static PyObject *tensor_dict(mc_st_file *file) {
+    PyObject *tensors = NULL;
     PyArrayObject **arrays = NULL;
     int64_t n = file->n_tensors;
     mc_err err = {0};
@@ -86,14 +81,12 @@ static PyObject *py_safetensors_read(PyObject *self, PyObject *path_arg) {
                          "%s: key '%s' has dtype %s; safetensors_read converts only F32, F16, BF16 and F64 to "
                          "float32",
                          file->path, t->name, mc_dtype_name(t->dtype));
-            goto done;
+            return NULL;
         }
     }
     arrays = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *arrays);
-    if (arrays == NULL) {
-        mcpy_no_memory("the list of tensors", (n > 0 ? (size_t)n : 1) * sizeof *arrays);
-        goto done;
-    }
+    if (arrays == NULL)
+        return mcpy_no_memory("the list of tensors", (n > 0 ? (size_t)n : 1) * sizeof *arrays);
     for (int64_t i = 0; i < n; i++) {
         const mc_st_tensor *t = &file->tensors[i];
         npy_intp dims[MC_ST_MAX_DIMS];
@@ -114,57 +107,54 @@ static PyObject *py_safetensors_read(PyObject *self, PyObject *path_arg) {
     }
 
     tensors = PyDict_New();
-    if (tensors == NULL)
-        goto done;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; tensors != NULL && i < n; i++)
         if (PyDict_SetItemString(tensors, file->tensors[i].name, (PyObject *)arrays[i]) < 0)
-            goto done;
-    metadata = metadata_dict(file);
-    if (metadata == NULL)
-        goto done;
-    result = PyTuple_Pack(2, tensors, metadata);
+            Py_CLEAR(tensors);
 
 done:
-    if (arrays != NULL) {
-        for (int64_t i = 0; i < n; i++)
-            Py_XDECREF(arrays[i]);
-        PyMem_Free(arrays);
+    for (int64_t i = 0; i < n; i++)
+        Py_XDECREF(arrays[i]);
+    PyMem_Free(arrays);
+    return tensors;
+}
+
+/* Every tensor's (name, dtype name, shape tuple), in file order. */
+static PyObject *entry_list(mc_st_file *file) {
+    PyObject *entries = PyList_New((Py_ssize_t)file->n_tensors);
+    for (int64_t i = 0; entries != NULL && i < file->n_tensors; i++) {
+        const mc_st_tensor *t = &file->tensors[i];
+        PyObject *shape = shape_tuple(t);
+        PyObject *entry = shape ? Py_BuildValue("(ssN)", t->name, mc_dtype_name(t->dtype), shape) : NULL;
+        if (entry == NULL)
+            Py_CLEAR(entries);
+        else
+            PyList_SET_ITEM(entries, (Py_ssize_t)i, entry);
     }
-    Py_XDECREF(tensors);
+    return entries;
+}
+
+/* What both readers return for the file at path_arg: (contents(file), its
+ * metadata dict); the file is closed again in any case. */
+static PyObject *read_with_metadata(PyObject *path_arg, PyObject *(*contents)(mc_st_file *file)) {
+    mc_st_file *file = open_without_gil(path_arg);
+    if (file == NULL)
+        return NULL;
+    PyObject *first = contents(file), *metadata = first ? metadata_dict(file) : NULL;
+    PyObject *result = metadata ? PyTuple_Pack(2, first, metadata) : NULL;
+    Py_XDECREF(first);
     Py_XDECREF(metadata);
     mc_st_close(file);
     return result;
 }
 
+static PyObject *py_safetensors_read(PyObject *self, PyObject *path_arg) {
+    (void)self;
+    return read_with_metadata(path_arg, tensor_dict);
+}
+
 static PyObject *py_safetensors_info(PyObject *self, PyObject *path_arg) {
     (void)self;
-    mc_st_file *file = open_without_gil(path_arg);
-    if (file == NULL)
-        return NULL;
-    PyObject *entries = NULL, *metadata = NULL, *result = NULL;
-    entries = PyList_New((Py_ssize_t)file->n_tensors);
-    if (entries == NULL)
-        goto done;
-    for (int64_t i = 0; i < file->n_tensors; i++) {
-        const mc_st_tensor *t = &file->tensors[i];
-        PyObject *shape = shape_tuple(t);
-        if (shape == NULL)
-            goto done;
-        PyObject *entry = Py_BuildValue("(ssN)", t->name, mc_dtype_name(t->dtype), shape);
-        if (entry == NULL)
-            goto done;
-        PyList_SET_ITEM(entries, (Py_ssize_t)i, entry);
-    }
-    metadata = metadata_dict(file);
-    if (metadata == NULL)
-        goto done;
-    result = PyTuple_Pack(2, entries, metadata);
-
-done:
-    Py_XDECREF(entries);
-    Py_XDECREF(metadata);
-    mc_st_close(file);
-    return result;
+    return read_with_metadata(path_arg, entry_list);
 }
 
 /* Test hook: binds one tensor as a model does (mc_bind: piecewise
@@ -180,18 +170,14 @@ static PyObject *py_bind_read(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&s|sss", keywords, PyUnicode_FSConverter, &path_obj, &name,
                                      &layout_name, &dtype, &device))
         return NULL;
-    mc_bind_layout layout;
-    if (strcmp(layout_name, "as_is") == 0)
-        layout = MC_BIND_AS_IS;
-    else if (strcmp(layout_name, "conv_ohwi") == 0)
-        layout = MC_BIND_CONV_OHWI;
-    else if (strcmp(layout_name, "linear") == 0)
-        layout = MC_BIND_LINEAR;
-    else {
+    static const char *const layout_names[] = {"as_is", "conv_ohwi", "linear", NULL};
+    static const mc_bind_layout layouts[] = {MC_BIND_AS_IS, MC_BIND_CONV_OHWI, MC_BIND_LINEAR};
+    const int layout_index = mcpy_choice(layout_name, layout_names, "layout");
+    if (layout_index < 0) {
         Py_DECREF(path_obj);
-        return PyErr_Format(PyExc_ValueError, "layout must be 'as_is', 'conv_ohwi' or 'linear', got '%s'",
-                            layout_name);
+        return NULL;
     }
+    const mc_bind_layout layout = layouts[layout_index];
     mc_wtype wtype;
     if (mcpy_parse_wtype(dtype, &wtype) < 0) {
         Py_DECREF(path_obj);

@@ -112,13 +112,12 @@ static PyObject *mar_generate(PyMAR *self, PyObject *args, PyObject *kwargs) {
         return NULL;
     if (mcpy_require_loaded(self->mar, "MAR model") < 0)
         return NULL;
-    mc_cfg_schedule schedule;
-    if (strcmp(schedule_name, "linear") == 0)
-        schedule = MC_CFG_LINEAR;
-    else if (strcmp(schedule_name, "constant") == 0)
-        schedule = MC_CFG_CONSTANT;
-    else
-        return PyErr_Format(PyExc_ValueError, "cfg_schedule must be 'linear' or 'constant', got '%s'", schedule_name);
+    static const char *const schedule_names[] = {"linear", "constant", NULL};
+    static const mc_cfg_schedule schedules[] = {MC_CFG_LINEAR, MC_CFG_CONSTANT};
+    const int schedule_index = mcpy_choice(schedule_name, schedule_names, "cfg_schedule");
+    if (schedule_index < 0)
+        return NULL;
+    const mc_cfg_schedule schedule = schedules[schedule_index];
     if (first_index > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "first_index must be < 2**32");
     void *policy_config;

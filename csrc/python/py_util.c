@@ -2,6 +2,7 @@
 #include "py_util.h"
 
 #include <stdio.h>
+#include <string.h>
 
 PyObject *mcpy_raise(const mc_err *err) {
     PyObject *type;
@@ -42,4 +43,19 @@ PyObject *mcpy_no_memory(const char *what, size_t bytes) {
     mc_err err = {0}; /* through the core's writer: one format for every MemoryError */
     mc_fail_nomem(&err, bytes, "%s", what);
     return mcpy_raise(&err);
+}
+
+int mcpy_choice(const char *value, const char *const *choices, const char *what) {
+    int n = 0;
+    for (; choices[n] != NULL; n++)
+        if (strcmp(value, choices[n]) == 0)
+            return n;
+    char listed[256];
+    size_t used = 0;
+    listed[0] = '\0';
+    for (int i = 0; i < n && used < sizeof listed; i++)
+        used += (size_t)snprintf(listed + used, sizeof listed - used, "%s'%s'", i == 0 ? "" : i == n - 1 ? " or " : ", ",
+                                 choices[i]);
+    PyErr_Format(PyExc_ValueError, "%s must be %s, got '%s'", what, listed, value);
+    return -1;
 }

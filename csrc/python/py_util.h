@@ -33,6 +33,10 @@ typedef struct mcpy_cancel_ctx {
 
 int mcpy_cancel_check(void *ctx);
 
+/* The index of string argument `value` among `choices` (NULL-terminated),
+ * or -1 with ValueError "<what> must be 'a', 'b' or 'c', got '<value>'". */
+int mcpy_choice(const char *value, const char *const *choices, const char *what);
+
 /* "(2, 3)" or "(4,)" for messages, truncated to fit buf. */
 void mcpy_format_shape(char *buf, size_t size, int ndim, const int64_t *dims);
 

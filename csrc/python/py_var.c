@@ -296,9 +296,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
     const float *in = PyArray_DATA(inputs);
     float *h_out = PyArray_DATA(hidden), *l_out = PyArray_DATA(logits);
     const int64_t max_rows = largest_scale_rows(c, n_scales);
-    static const char no_config = 0;
-    const mc_var_policy_ops *ops = policy ? policy : &mc_var_nocache_policy;
-    mc_var_policy run_policy = {ops, NULL};
+    mc_var_policy run_policy = {NULL, NULL};
     Py_BEGIN_ALLOW_THREADS
     const size_t host_bytes = (size_t)(N * max_rows * (C > V ? C : V)) * sizeof(float);
     float *host = malloc(host_bytes);
@@ -308,15 +306,15 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
         st = mc_var_reserve(var, N, max_rows, &err);
     if (st == MC_OK) {
         mc_var_run_shape shape = {.n_images = N, .cfg_on = 0, .n_seq = N};
-        st = ops->create(var, policy ? policy_config : &no_config, &shape, &run_policy.state, &err);
+        st = mc_var_policy_make(&run_policy, policy, var, policy_config, &shape, &err);
     }
     if (st == MC_OK)
         st = mc_var_condition(var, PyArray_DATA(labels), N, &err);
     for (int s = 0; s < n_scales && st == MC_OK; s++) {
         const int64_t pn = c->patch_nums[s], n = pn * pn, begin = c->scale_begin[s];
-        if (!ops->scale_plan(run_policy.state, s)) {
+        if (!run_policy.ops->scale_plan(run_policy.state, s)) {
             st = mc_fail(&err, MC_ERR_VALUE, "forward_scales: the inputs cover scale %d, which cache policy '%s' "
-                         "skips", s, ops->schema.name);
+                         "skips", s, run_policy.ops->schema.name);
             break;
         }
         st = upload_scale(be, var->acts.x, in, N, Lk, begin, n, C, host, &err);
@@ -324,7 +322,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
                               .x = var->acts.x, .trace_rows = trace_data[s]};
         mc_var_transformer_stats stats = {0};
         if (st == MC_OK)
-            st = ops->transformer(run_policy.state, &scale, &stats, &err);
+            st = run_policy.ops->transformer(run_policy.state, &scale, &stats, &err);
         if (st == MC_OK)
             st = download_scale(be, h_out, var->acts.x, N, Lk, begin, n, C, host, &err);
         if (st == MC_OK)
@@ -332,8 +330,7 @@ static PyObject *var_forward_scales(PyVAR *self, PyObject *args, PyObject *kwarg
         if (st == MC_OK)
             st = download_scale(be, l_out, var->acts.logits, N, Lk, begin, n, V, host, &err);
     }
-    if (run_policy.state != NULL)
-        ops->free(run_policy.state);
+    mc_var_policy_free(&run_policy);
     free(host);
     Py_END_ALLOW_THREADS
     self->busy = 0;

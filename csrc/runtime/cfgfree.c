@@ -9,7 +9,6 @@
  * with cfg_on = 0 and only conditional z rows). NoCache composes always;
  * LazyMAR and MARche compose when their condition cache is on (their caches
  * then hold the conditional half alone; without it they refuse the step). */
-#include <stdlib.h>
 
 #include "mar_policy.h"
 
@@ -40,28 +39,14 @@ static mc_status cfgfree_check(const void *config, const mc_mar_config *model, m
     return mc_mar_inner_check(&cfg->inner, "CfgFreeLate", model, err);
 }
 
-static void cfgfree_free(void *state) {
-    cfgfree_state *s = state;
-    if (s == NULL)
-        return;
-    mc_mar_inner_free(&s->inner);
-    free(s);
-}
+static void cfgfree_release(void *state) { mc_mar_policy_free(&((cfgfree_state *)state)->inner); }
 
-static mc_status cfgfree_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                                mc_err *err) {
+static mc_status cfgfree_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                              mc_err *err) {
+    cfgfree_state *s = state;
     const mc_cfgfree_config *cfg = config;
-    MC_TRY(cfgfree_check(cfg, &mar->config, err));
-    cfgfree_state *s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return mc_fail_nomem(err, sizeof *s, "the CfgFreeLate state");
     s->after = cfg->after;
-    mc_status st = mc_mar_inner_create(&s->inner, mar, &cfg->inner, run, err);
-    if (st == MC_OK)
-        *state = s;
-    else
-        cfgfree_free(s);
-    return st;
+    return mc_mar_inner_make(&s->inner, mar, &cfg->inner, run, err);
 }
 
 static mc_status cfgfree_plan(void *state, int64_t most_live_rows, mc_err *err) {

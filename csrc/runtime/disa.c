@@ -77,16 +77,13 @@ static mc_status disa_check(const void *config, const mc_mar_config *model, mc_e
     return mc_mar_inner_check(&cfg->inner, "DiSA", model, err);
 }
 
-static void disa_free(void *state) {
+static void disa_release(void *state) {
     disa_state *s = state;
-    if (s == NULL)
-        return;
-    mc_mar_inner_free(&s->inner);
+    mc_mar_policy_free(&s->inner);
     if (s->tables != NULL)
         for (int i = 0; i < s->n_tables; i++)
             free(s->tables[i]);
     free(s->tables);
-    free(s);
 }
 
 /* The respacing of every step count the run uses, with its timesteps'
@@ -111,24 +108,14 @@ static mc_status make_tables(disa_state *s, mc_mar *mar, mc_err *err) {
     return MC_OK;
 }
 
-static mc_status disa_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                             mc_err *err) {
+static mc_status disa_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                           mc_err *err) {
+    disa_state *s = state;
     const mc_disa_config *cfg = config;
-    MC_TRY(disa_check(cfg, &mar->config, err));
-    disa_state *s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return mc_fail_nomem(err, sizeof *s, "the DiSA state");
     s->cfg = *cfg;
     s->num_steps = run->num_steps;
-    mc_status st = make_tables(s, mar, err);
-    if (st == MC_OK)
-        st = mc_mar_inner_create(&s->inner, mar, &cfg->inner, run, err);
-    if (st != MC_OK) {
-        disa_free(s);
-        return st;
-    }
-    *state = s;
-    return MC_OK;
+    MC_TRY(make_tables(s, mar, err));
+    return mc_mar_inner_make(&s->inner, mar, &cfg->inner, run, err);
 }
 
 static mc_status disa_plan(void *state, int64_t most_live_rows, mc_err *err) {

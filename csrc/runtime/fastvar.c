@@ -139,9 +139,9 @@ typedef struct fastvar_state {
     int32_t *trace_host; /* [n_seq * max_keep]: the kept rows downloaded for a trace */
 } fastvar_state;
 
-static void fastvar_free(void *state) {
+static void fastvar_release(void *state) {
     fastvar_state *s = state;
-    if (s == NULL)
+    if (s->var == NULL)
         return;
     mc_backend *be = s->var->backend;
     void *buffers[] = {s->cache, s->kept, s->kept_x, s->kept_out, s->restored};
@@ -151,7 +151,6 @@ static void fastvar_free(void *state) {
     free(s->kv_used);
     free(s->block_rows);
     free(s->trace_host);
-    free(s);
 }
 
 static void *backend_alloc(fastvar_state *s, size_t bytes, const char *what, mc_err *err) {
@@ -162,13 +161,10 @@ static void *backend_alloc(fastvar_state *s, size_t bytes, const char *what, mc_
     return p;
 }
 
-static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_run_shape *run, void **state,
-                                mc_err *err) {
+static mc_status fastvar_init(void *state, mc_var *var, const void *config, const mc_var_run_shape *run,
+                              mc_err *err) {
     const mc_var_config *c = &var->config;
-    MC_TRY(fastvar_check(config, c, err));
-    fastvar_state *s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return mc_fail_nomem(err, sizeof *s, "the FastVAR state");
+    fastvar_state *s = state;
     s->var = var;
     s->cfg = *(const mc_fastvar_config *)config;
     s->n_scales = c->n_scales;
@@ -188,18 +184,14 @@ static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_ru
             max_rows = n > max_rows ? n : max_rows;
             max_keep = kept_rows(n, s->cfg.prune[si]) > max_keep ? kept_rows(n, s->cfg.prune[si]) : max_keep;
         }
-    *state = s;
     const size_t kv_used_bytes = (size_t)c->depth * sizeof *s->kv_used,
                  block_rows_bytes = (size_t)(2 * c->depth) * sizeof *s->block_rows,
                  trace_bytes = (size_t)(s->n_seq * (max_keep > 0 ? max_keep : 1)) * sizeof(int32_t);
     s->kv_used = calloc(1, kv_used_bytes);
     s->block_rows = calloc(1, block_rows_bytes);
     s->trace_host = malloc(trace_bytes);
-    if (s->kv_used == NULL || s->block_rows == NULL || s->trace_host == NULL) {
-        fastvar_free(s);
-        *state = NULL;
+    if (s->kv_used == NULL || s->block_rows == NULL || s->trace_host == NULL)
         return mc_fail_nomem(err, kv_used_bytes + block_rows_bytes + trace_bytes, "the FastVAR host state");
-    }
     if (!s->pruning)
         return MC_OK;
     const int64_t S = s->n_seq, C = s->width, layers = s->layer_stop - s->layer_first;
@@ -213,12 +205,7 @@ static mc_status fastvar_create(mc_var *var, const void *config, const mc_var_ru
     s->restored = s->kept_out
                       ? backend_alloc(s, (size_t)(S * max_rows * C) * sizeof(float), "FastVAR's restored rows", err)
                       : NULL;
-    if (s->restored == NULL) {
-        fastvar_free(s);
-        *state = NULL;
-        return err->status;
-    }
-    return MC_OK;
+    return s->restored != NULL ? MC_OK : err->status;
 }
 
 static int fastvar_scale_plan(void *state, int si) {

@@ -66,41 +66,30 @@ static mc_status lazymar_check(const void *config, const mc_mar_config *model, m
     return mc_head_cache_check(&cfg->head, "LazyMAR", err);
 }
 
-static void lazymar_free(void *state) {
+static void lazymar_release(void *state) {
     lazymar_state *lz = state;
-    if (lz == NULL)
-        return;
     mc_backend *be = lz->tc.mar ? lz->tc.mar->backend : NULL;
     for (int i = 0; i < 2; i++)
         if (lz->select_v[i] != NULL)
             be->ops->release(be, lz->select_v[i]);
     mc_mar_caches_release(&lz->tc);
-    free(lz);
 }
 
-static mc_status lazymar_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                                mc_err *err) {
+static mc_status lazymar_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                              mc_err *err) {
+    lazymar_state *lz = state;
     const mc_lazymar_config *cfg = config;
     const mc_mar_config *c = &mar->config;
-    MC_TRY(lazymar_check(cfg, c, err));
-    lazymar_state *lz = calloc(1, sizeof *lz);
-    if (lz == NULL)
-        return mc_fail_nomem(err, sizeof *lz, "the LazyMAR state");
     lz->cfg = *cfg;
     /* The token cache keeps decoder K/V only for the layers after the
      * selection layer: they are the ones that attend to a cache. */
-    mc_status st = mc_mar_caches_init(&lz->tc, mar, run, cfg->token_cache, cfg->cond_cache, cfg->token_cache,
-                                      cfg->select_layer + 1, &cfg->head, err);
+    MC_TRY(mc_mar_caches_init(&lz->tc, mar, run, cfg->token_cache, cfg->cond_cache, cfg->token_cache,
+                              cfg->select_layer + 1, &cfg->head, err));
     const int64_t L = c->buffer_size + c->seq_len;
-    for (int i = 0; st == MC_OK && cfg->token_cache && i < 2; i++)
+    for (int i = 0; cfg->token_cache && i < 2; i++)
         if ((lz->select_v[i] = mc_mar_caches_buffer(&lz->tc, (size_t)(lz->tc.n_cache_seq * L * c->dec_width), err,
                                                     "LazyMAR's ranking V (%d of 2)", i + 1)) == NULL)
-            st = err->status;
-    if (st != MC_OK) {
-        lazymar_free(lz);
-        return st;
-    }
-    *state = lz;
+            return err->status;
     return MC_OK;
 }
 
@@ -115,8 +104,8 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
     mc_backend *be = mar->backend;
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &mar->config;
-    const int64_t B = s->n_images, nc = tc->n_cache_seq, P = c->buffer_size, L = P + c->seq_len;
-    const int64_t Dd = c->dec_width, p = tc->n_prev, sel = lz->cfg.select_layer;
+    const int64_t nc = tc->n_cache_seq, L = c->buffer_size + c->seq_len;
+    const int64_t Dd = c->dec_width, sel = lz->cfg.select_layer;
     MC_TRY(mc_mar_caches_full_layers(tc, f, 0, sel, flops, err));
     float *v_old = lz->select_v[lz->select_v_current];
     lz->select_v_current ^= 1;
@@ -130,15 +119,8 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
     MC_TRY(ops->cosine_rows(be, v_new, Dd, v_old, Dd, nc * L, (int)c->dec_heads, (int)(Dd / c->dec_heads),
                             scores, err));
     MC_TRY(ops->download(be, tc->scores_host, scores, (size_t)(nc * L) * sizeof(float), err));
-    for (int64_t q = 0; q < nc; q++) {
-        const int64_t b = q % B;
-        mc_rows_choose(tc->scores_host + q * L, L, P, 0, s->pred_pos + b * s->n_pred, s->n_pred,
-                       tc->prev_pred + b * p, p, keep, tc->taken, tc->order, kept + q * keep);
-    }
-    float *xk = MC_POLICY_FLOATS(tc, kept_x, (size_t)(nc * keep * Dd), err);
-    if (xk == NULL)
-        return err->status;
-    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, kept, keep, &tc->acts->rows, xk, err));
+    float *xk;
+    MC_TRY(mc_mar_caches_keep_rows(tc, s, f, 0, kept, keep, &xk, err));
     MC_TRY(mc_mar_block_mlp(mar, &mar->dec_blocks[sel], xk, nc * keep, Dd, c->dec_mlp_hidden, err));
     *flops += mc_flops_block_mlp(nc * keep, Dd, c->dec_mlp_hidden);
     MC_TRY(mc_mar_caches_cache_aware_layers(tc, xk, kept, keep, sel + 1, flops, err));
@@ -172,4 +154,4 @@ static mc_status lazymar_transformer(void *state, const mc_mar_step *s, float *z
 }
 
 const mc_mar_policy_ops mc_lazymar_policy = MC_MAR_CACHED_POLICY_OPS(lazymar, "lazymar", lazymar_fields, mc_lazymar_config,
-                                                                   lazymar_free);
+                                                                   lazymar_release);

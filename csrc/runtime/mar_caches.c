@@ -59,12 +59,7 @@ void mc_mar_caches_release(mc_mar_caches *tc) {
     memset(tc, 0, sizeof *tc);
 }
 
-void mc_mar_caches_free_state(void *state) {
-    if (state == NULL)
-        return;
-    mc_mar_caches_release((mc_mar_caches *)state);
-    free(state);
-}
+void mc_mar_caches_release_state(void *state) { mc_mar_caches_release((mc_mar_caches *)state); }
 
 size_t mc_mar_caches_cache_bytes(const void *state) {
     const mc_mar_caches *tc = state;
@@ -343,6 +338,21 @@ mc_status mc_mar_caches_full_layers(mc_mar_caches *tc, float *f, int64_t first, 
         *flops += mc_flops_block_attn(nc, L, L, Dd) + mc_flops_block_mlp(nc * L, Dd, c->dec_mlp_hidden);
     }
     return MC_OK;
+}
+
+mc_status mc_mar_caches_keep_rows(mc_mar_caches *tc, const mc_mar_step *s, const float *f, int64_t first_candidate,
+                                  int32_t *kept, int64_t keep, float **xk, mc_err *err) {
+    const mc_mar_config *c = &tc->mar->config;
+    const int64_t B = s->n_images, nc = tc->n_cache_seq, P = c->buffer_size, L = P + c->seq_len, p = tc->n_prev;
+    for (int64_t q = 0; q < nc; q++) {
+        const int64_t b = q % B;
+        mc_rows_choose(tc->scores_host + q * L, L, P, first_candidate, s->pred_pos + b * s->n_pred, s->n_pred,
+                       tc->prev_pred + b * p, p, keep, tc->taken, tc->order, kept + q * keep);
+    }
+    *xk = MC_POLICY_FLOATS(tc, kept_x, (size_t)(nc * keep * c->dec_width), err);
+    if (*xk == NULL)
+        return err->status;
+    return mc_rows_gather(tc->mar, f, nc, L, c->dec_width, kept, keep, &tc->acts->rows, *xk, err);
 }
 
 /* The fresh rows are written into the cache first, so attending to all

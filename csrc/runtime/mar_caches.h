@@ -54,14 +54,16 @@ mc_status mc_mar_caches_plan(void *state, int64_t most_live_rows, mc_err *err);
 mc_status mc_mar_caches_head_plan(void *state, const mc_mar_step *step, int n_diffusion_steps,
                                   mc_mar_head_plan *plan, mc_err *err);
 size_t mc_mar_caches_cache_bytes(const void *state);
-/* Frees a policy state that holds nothing beyond its mc_mar_caches. */
-void mc_mar_caches_free_state(void *state);
-/* The ops table of such a policy: <prefix>_check, _create and _transformer
- * are its own, the rest the shared ones above, and `free_state` frees it. */
-#define MC_MAR_CACHED_POLICY_OPS(prefix, policy_name, field_table, config_type, free_state)                   \
+/* Releases a policy state that holds nothing beyond its mc_mar_caches. */
+void mc_mar_caches_release_state(void *state);
+/* The ops table of such a policy: its state is <prefix>_state, <prefix>_check,
+ * _init and _transformer are its own, the rest the shared ones above, and
+ * `release_state` releases what its state holds. */
+#define MC_MAR_CACHED_POLICY_OPS(prefix, policy_name, field_table, config_type, release_state)                \
     {.schema = {policy_name, field_table, sizeof(config_type)}, .check = prefix##_check,                      \
-     .create = prefix##_create, .plan = mc_mar_caches_plan, .transformer = prefix##_transformer,              \
-     .head_plan = mc_mar_caches_head_plan, .cache_bytes = mc_mar_caches_cache_bytes, .free = free_state}
+     .state_size = sizeof(prefix##_state), .init = prefix##_init, .plan = mc_mar_caches_plan,                 \
+     .transformer = prefix##_transformer, .head_plan = mc_mar_caches_head_plan,                               \
+     .cache_bytes = mc_mar_caches_cache_bytes, .release = release_state}
 /* A backend buffer counted in the cache bytes (freed by mc_mar_caches_release
  * only if stored in one of the struct's fields; policies release their own).
  * what_fmt names it (printf-style) in an out-of-memory message. */
@@ -94,6 +96,13 @@ mc_status mc_mar_caches_cached_step(mc_mar_caches *tc, const mc_mar_step *s, int
 /* Decoder layers [first, last) on every row of f. */
 mc_status mc_mar_caches_full_layers(mc_mar_caches *tc, float *f, int64_t first, int64_t last, double *flops,
                                     mc_err *err);
+/* A decoder's row selection from the scores in tc->scores_host [nc, L]:
+ * each sequence's `keep` rows (mc_rows_choose: the rows predicted now and at
+ * the previous step forced, the others ranked from `first_candidate` on)
+ * into kept [nc, keep], and those rows of f [nc, L, Dd] gathered into the
+ * policy's kept-row buffer, *xk [nc * keep, Dd]. */
+mc_status mc_mar_caches_keep_rows(mc_mar_caches *tc, const mc_mar_step *s, const float *f, int64_t first_candidate,
+                                  int32_t *kept, int64_t keep, float **xk, mc_err *err);
 /* Layers [first, depth) on the kept rows xk [nc, keep]: their fresh K/V go
  * into each layer's cache, and they attend to all P + S cached rows. */
 mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, float *xk, const int32_t *kept, int64_t keep,

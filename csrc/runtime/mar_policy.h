@@ -2,12 +2,15 @@
  * mc_mar_policy_ops table; the sampler (mar_sampler.c) calls it once per
  * phase and never names a policy:
  *
- *   create      before the AR loop: the policy's state for this run
+ *   init        before the AR loop: fill the policy's state for this run
+ *               (mc_mar_policy_make checks the config and allocates the
+ *               state, state_size bytes zeroed)
  *   plan        before the AR loop: size every buffer for the run's largest step
  *   transformer per AR step: the condition vectors z of the predicted rows
  *   head_plan   per AR step: the head-cache mode of each diffusion step
  *   cache_bytes per AR step: bytes the policy holds (telemetry)
- *   free        after the run
+ *   release     after the run: free what the state holds (mc_mar_policy_free
+ *               then frees the state itself)
  *
  * Register a new policy in mar_policies.c. */
 #ifndef MC_MAR_POLICY_H
@@ -59,7 +62,11 @@ typedef struct mc_mar_policy_ops {
     mc_config_schema schema;
     /* Cross-field and model-dependent checks of a filled config. */
     mc_status (*check)(const void *config, const mc_mar_config *model, mc_err *err);
-    mc_status (*create)(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state, mc_err *err);
+    /* Fills a zeroed state of state_size bytes for one run with a checked
+     * config. On failure the seam calls release: it must handle a state
+     * init left partly filled. */
+    size_t state_size;
+    mc_status (*init)(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run, mc_err *err);
     /* `most_live_rows`: the head rows (B x predicted) of the run's largest step. */
     mc_status (*plan)(void *state, int64_t most_live_rows, mc_err *err);
     /* Fills z [n_out, Dd] (backend) with the rows step->out_rows names. */
@@ -69,21 +76,30 @@ typedef struct mc_mar_policy_ops {
     mc_status (*head_plan)(void *state, const mc_mar_step *step, int n_diffusion_steps, mc_mar_head_plan *plan,
                            mc_err *err);
     size_t (*cache_bytes)(const void *state);
-    void (*free)(void *state);
+    void (*release)(void *state);
 } mc_mar_policy_ops;
 
-/* The ops table of a policy whose functions are <prefix>_check, _create,
- * _plan, _transformer, _head_plan, _cache_bytes and _free. */
+/* The ops table of a policy whose state is <prefix>_state and whose
+ * functions are <prefix>_check, _init, _plan, _transformer, _head_plan,
+ * _cache_bytes and _release. */
 #define MC_MAR_POLICY_OPS(prefix, policy_name, field_table, config_type)                                      \
     {.schema = {policy_name, field_table, sizeof(config_type)}, .check = prefix##_check,                      \
-     .create = prefix##_create, .plan = prefix##_plan, .transformer = prefix##_transformer,                   \
-     .head_plan = prefix##_head_plan, .cache_bytes = prefix##_cache_bytes, .free = prefix##_free}
+     .state_size = sizeof(prefix##_state), .init = prefix##_init, .plan = prefix##_plan,                      \
+     .transformer = prefix##_transformer, .head_plan = prefix##_head_plan,                                    \
+     .cache_bytes = prefix##_cache_bytes, .release = prefix##_release}
 
 /* A policy made for one run. */
 typedef struct mc_mar_policy {
     const mc_mar_policy_ops *ops;
     void *state;
 } mc_mar_policy;
+
+/* A policy's life for one run (policy_seam.h): make checks the config,
+ * allocates the state and has the policy fill it (ops NULL: NoCache); on
+ * failure policy->state is NULL and nothing is held. */
+mc_status mc_mar_policy_make(mc_mar_policy *policy, const mc_mar_policy_ops *ops, mc_mar *mar, const void *config,
+                             const mc_mar_run_shape *run, mc_err *err);
+void mc_mar_policy_free(mc_mar_policy *policy);
 
 /* The registered policies, or the one named `name` (NULL if none). */
 extern const mc_mar_policy_ops *const mc_mar_policies[];
@@ -97,12 +113,11 @@ static inline const mc_mar_policy_ops *mc_mar_policy_of(const mc_config_schema *
 extern const mc_mar_policy_ops mc_nocache_policy;
 
 /* The inner policy of a composing policy (CfgFreeLate, DiSA), from its config
- * reference: checked (`outer` names the composing policy in the message),
- * made for a run, freed (a no-op when never made). */
+ * reference: checked (`outer` names the composing policy in the message) and
+ * made for a run (mc_mar_policy_free frees it). */
 mc_status mc_mar_inner_check(const mc_policy_ref *ref, const char *outer, const mc_mar_config *model, mc_err *err);
-mc_status mc_mar_inner_create(mc_mar_policy *inner, mc_mar *mar, const mc_policy_ref *ref,
-                              const mc_mar_run_shape *run, mc_err *err);
-void mc_mar_inner_free(mc_mar_policy *inner);
+mc_status mc_mar_inner_make(mc_mar_policy *inner, mc_mar *mar, const mc_policy_ref *ref,
+                            const mc_mar_run_shape *run, mc_err *err);
 
 /* The plain transformer on step->out_rows: what NoCache runs on every step
  * and the other policies on full steps that fill nothing. */

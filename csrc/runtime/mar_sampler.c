@@ -240,8 +240,7 @@ struct mc_mar_run {
 void mc_mar_run_free(mc_mar_run *r) {
     if (r == NULL)
         return;
-    if (r->policy.state != NULL)
-        r->policy.ops->free(r->policy.state);
+    mc_mar_policy_free(&r->policy);
     free(r->orders);
     free(r->masked);
     free(r->known_pos);
@@ -316,13 +315,9 @@ static int64_t most_live_rows(const mc_mar_run *r) {
  * nothing grows inside the loop (the predicted count rises along the cosine
  * schedule; growing step by step would allocate on most steps). */
 static mc_status make_policy(mc_mar_run *r, mc_err *err) {
-    static const char no_config = 0;
-    const mc_mar_policy_ops *ops = r->args.policy ? r->args.policy : &mc_nocache_policy;
-    const void *config = r->args.policy ? r->args.policy_config : &no_config;
     mc_mar_run_shape shape = {.n_images = r->B, .cfg_on = r->cfg_on, .num_steps = r->args.num_steps};
-    r->policy.ops = ops;
-    MC_TRY(ops->create(r->mar, config, &shape, &r->policy.state, err));
-    return ops->plan(r->policy.state, most_live_rows(r), err);
+    MC_TRY(mc_mar_policy_make(&r->policy, r->args.policy, r->mar, r->args.policy_config, &shape, err));
+    return r->policy.ops->plan(r->policy.state, most_live_rows(r), err);
 }
 
 /* Every sequence starts all masked (zero tokens); the generation order of
@@ -482,10 +477,7 @@ static mc_status run_finish(void *opaque, mc_err *err) {
 
 /* The policy's state lives for one run: free it as soon as the run ends. */
 static void run_end(void *opaque) {
-    mc_mar_run *r = opaque;
-    if (r->policy.state != NULL)
-        r->policy.ops->free(r->policy.state);
-    r->policy.state = NULL;
+    mc_mar_policy_free(&((mc_mar_run *)opaque)->policy);
 }
 
 const mc_generator_ops mc_mar_generator = {

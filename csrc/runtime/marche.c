@@ -61,23 +61,13 @@ static mc_status marche_check(const void *config, const mc_mar_config *model, mc
     return mc_head_cache_check(&cfg->head, "MARche", err);
 }
 
-static mc_status marche_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                               mc_err *err) {
-    const mc_marche_config *cfg = config;
-    MC_TRY(marche_check(cfg, &mar->config, err));
-    marche_state *mc = calloc(1, sizeof *mc);
-    if (mc == NULL)
-        return mc_fail_nomem(err, sizeof *mc, "the MARche state");
-    mc->cfg = *cfg;
+static mc_status marche_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                             mc_err *err) {
+    marche_state *mc = state;
+    mc->cfg = *(const mc_marche_config *)config;
     /* Decoder K/V for the layers after the full prefix: they attend to a cache. */
-    mc_status st = mc_mar_caches_init(&mc->tc, mar, run, cfg->encoder_cache, cfg->cond_cache, 1, cfg->full_layers,
-                                      &cfg->head, err);
-    if (st != MC_OK) {
-        free(mc);
-        return st;
-    }
-    *state = mc;
-    return MC_OK;
+    return mc_mar_caches_init(&mc->tc, mar, run, mc->cfg.encoder_cache, mc->cfg.cond_cache, 1, mc->cfg.full_layers,
+                              &mc->cfg.head, err);
 }
 
 static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, int32_t *active, int64_t n_active,
@@ -89,7 +79,7 @@ static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, in
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &mar->config;
     const int64_t B = s->n_images, nc = tc->n_cache_seq, P = c->buffer_size, L = P + c->seq_len;
-    const int64_t Dd = c->dec_width, p = tc->n_prev, sel = mc->cfg.select_layer - 1, ng = s->n_pred;
+    const int64_t Dd = c->dec_width, sel = mc->cfg.select_layer - 1, ng = s->n_pred;
     const int64_t hd = Dd / c->dec_heads;
     MC_TRY(mc_mar_caches_full_layers(tc, f, 0, sel, flops, err));
     MC_TRY(mc_mar_block_attn(mar, &mar->dec_blocks[sel], f, nc, L, Dd, c->dec_heads, NULL, err));
@@ -130,15 +120,8 @@ static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, in
     if (!mc->cfg.refresh)
         for (int64_t i = 0; i < nc * L; i++)
             tc->scores_host[i] = -tc->scores_host[i];
-    for (int64_t q = 0; q < nc; q++) {
-        const int64_t b = q % B;
-        mc_rows_choose(tc->scores_host + q * L, L, P, mc->cfg.candidates ? P : 0, s->pred_pos + b * ng, ng,
-                       tc->prev_pred + b * p, p, n_active, tc->taken, tc->order, active + q * n_active);
-    }
-    float *xa = MC_POLICY_FLOATS(tc, kept_x, (size_t)(nc * n_active * Dd), err);
-    if (xa == NULL)
-        return err->status;
-    MC_TRY(mc_rows_gather(mar, f, nc, L, Dd, active, n_active, &tc->acts->rows, xa, err));
+    float *xa;
+    MC_TRY(mc_mar_caches_keep_rows(tc, s, f, mc->cfg.candidates ? P : 0, active, n_active, &xa, err));
     MC_TRY(mc_mar_caches_cache_aware_layers(tc, xa, active, n_active, mc->cfg.full_layers, flops, err));
     *out = xa;
     return MC_OK;
@@ -165,4 +148,4 @@ static mc_status marche_transformer(void *state, const mc_mar_step *s, float *z,
 }
 
 const mc_mar_policy_ops mc_marche_policy = MC_MAR_CACHED_POLICY_OPS(marche, "marche", marche_fields, mc_marche_config,
-                                                                  mc_mar_caches_free_state);
+                                                                  mc_mar_caches_release_state);

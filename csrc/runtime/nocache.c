@@ -1,7 +1,5 @@
 /* NoCache: every AR step runs the plain encoder, decoder and head, as the
  * official model does. A real policy, so the sampler has one code path. */
-#include <stdlib.h>
-
 #include "flops.h"
 #include "mar_policy.h"
 
@@ -33,14 +31,10 @@ static mc_status nocache_check(const void *config, const mc_mar_config *model, m
     return MC_OK;
 }
 
-static mc_status nocache_create(mc_mar *mar, const void *config, const mc_mar_run_shape *run, void **state,
-                                mc_err *err) {
-    (void)config, (void)run;
-    nocache_state *s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return mc_fail_nomem(err, sizeof *s, "the NoCache state");
-    s->mar = mar;
-    *state = s;
+static mc_status nocache_init(void *state, mc_mar *mar, const void *config, const mc_mar_run_shape *run,
+                              mc_err *err) {
+    (void)config, (void)run, (void)err;
+    ((nocache_state *)state)->mar = mar;
     return MC_OK;
 }
 
@@ -68,6 +62,6 @@ static size_t nocache_cache_bytes(const void *state) {
     return 0;
 }
 
-static void nocache_free(void *state) { free(state); }
+static void nocache_release(void *state) { (void)state; /* the state holds nothing of its own */ }
 
 const mc_mar_policy_ops mc_nocache_policy = MC_MAR_POLICY_OPS(nocache, "none", nocache_fields, nocache_config);

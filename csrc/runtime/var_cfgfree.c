@@ -13,7 +13,6 @@
  * scale the inner policy skips stays skipped. NoCache and FastVAR compose:
  * both work on whichever sequences a scale brings, and FastVAR restores the
  * conditional rows from the conditional half of its cache. */
-#include <stdlib.h>
 
 #include "var_policy.h"
 
@@ -47,34 +46,18 @@ static mc_status var_cfgfree_check(const void *config, const mc_var_config *mode
     return inner->check(cfg->inner.config, model, err);
 }
 
-static void var_cfgfree_free(void *state) {
-    var_cfgfree_state *s = state;
-    if (s == NULL)
-        return;
-    if (s->inner.state != NULL)
-        s->inner.ops->free(s->inner.state);
-    free(s);
-}
+static void var_cfgfree_release(void *state) { mc_var_policy_free(&((var_cfgfree_state *)state)->inner); }
 
-static mc_status var_cfgfree_create(mc_var *var, const void *config, const mc_var_run_shape *run, void **state,
-                                    mc_err *err) {
+static mc_status var_cfgfree_init(void *state, mc_var *var, const void *config, const mc_var_run_shape *run,
+                                  mc_err *err) {
+    var_cfgfree_state *s = state;
     const mc_var_cfgfree_config *cfg = config;
-    MC_TRY(var_cfgfree_check(cfg, &var->config, err));
-    var_cfgfree_state *s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return mc_fail_nomem(err, sizeof *s, "the VAR CfgFreeLate state");
     s->after = cfg->after;
     s->n_scales = var->config.n_scales;
     s->cfg_on = run->cfg_on;
-    s->inner.ops = mc_var_policy_of(cfg->inner.schema);
     /* The inner policy is made for the whole run (both halves): the early
      * scales run guided, and its buffers then hold both. */
-    mc_status st = s->inner.ops->create(var, cfg->inner.config, run, &s->inner.state, err);
-    if (st == MC_OK)
-        *state = s;
-    else
-        var_cfgfree_free(s);
-    return st;
+    return mc_var_policy_make(&s->inner, mc_var_policy_of(cfg->inner.schema), var, cfg->inner.config, run, err);
 }
 
 /* The inner policy's plan, unguided from `after` on (only when the run has

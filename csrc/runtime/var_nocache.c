@@ -1,7 +1,5 @@
 /* NoCache for VAR: every scale runs every block on every row, as the official
  * model does. A real policy, so the scale loop has one code path. */
-#include <stdlib.h>
-
 #include "flops.h"
 #include "var_policy.h"
 
@@ -31,14 +29,10 @@ static mc_status var_nocache_check(const void *config, const mc_var_config *mode
     return MC_OK;
 }
 
-static mc_status var_nocache_create(mc_var *var, const void *config, const mc_var_run_shape *run, void **state,
-                                    mc_err *err) {
-    (void)config, (void)run;
-    var_nocache_state *s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return mc_fail_nomem(err, sizeof *s, "the VAR NoCache state");
-    s->var = var;
-    *state = s;
+static mc_status var_nocache_init(void *state, mc_var *var, const void *config, const mc_var_run_shape *run,
+                                  mc_err *err) {
+    (void)config, (void)run, (void)err;
+    ((var_nocache_state *)state)->var = var;
     return MC_OK;
 }
 
@@ -57,7 +51,7 @@ static size_t var_nocache_cache_bytes(const void *state) {
     return 0;
 }
 
-static void var_nocache_free(void *state) { free(state); }
+static void var_nocache_release(void *state) { (void)state; /* the state holds nothing of its own */ }
 
 const mc_var_policy_ops mc_var_nocache_policy =
     MC_VAR_POLICY_OPS(var_nocache, "nocache", var_nocache_fields, var_nocache_config);

@@ -1,7 +1,10 @@
 /* The registry of VAR cache policies: the binding finds a policy here by the
- * name the Python policy carries. A new policy adds one line. */
+ * name the Python policy carries. A new policy adds one line. Also the
+ * family's instance of what every seam shares (policy_seam.h: the policy
+ * lifecycle, the schema lookup). */
 #include <string.h>
 
+#include "policy_seam.h"
 #include "var_policy.h"
 
 const mc_var_policy_ops *const mc_var_policies[] = {
@@ -21,7 +24,4 @@ const mc_var_policy_ops *mc_var_policy_find(const char *name) {
     return NULL;
 }
 
-const mc_config_schema *mc_var_policy_schema(const char *name) {
-    const mc_var_policy_ops *ops = mc_var_policy_find(name);
-    return ops ? &ops->schema : NULL;
-}
+MC_POLICY_SEAM(var, mc_var, mc_var_run_shape, mc_var_nocache_policy)

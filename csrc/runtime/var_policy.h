@@ -2,8 +2,10 @@
  * A policy is one C file that fills one mc_var_policy_ops table; the scale
  * loop (var_sampler.c) calls it once per phase and never names a policy:
  *
- *   create       before the loop: the policy's state for this run (the model's
- *                activations and KV cache are already sized for the run)
+ *   init         before the loop: fill the policy's state for this run (the
+ *                model's activations and KV cache are already sized for the
+ *                run; mc_var_policy_make checks the config and allocates the
+ *                state, state_size bytes zeroed)
  *   scale_plan   per scale: run it, run it without guidance, or skip it
  *                (mc_var_scale_mode). Only trailing scales may be skipped
  *                (FastVAR's ratio 1: the f_hat so far is decoded as is), and
@@ -17,7 +19,8 @@
  *                FastVAR prunes rows per block and sublayer, fills the pruned
  *                rows from its cached outputs and appends only kept K/V)
  *   cache_bytes  per scale: bytes the policy holds (telemetry)
- *   free         after the run
+ *   release      after the run: free what the state holds (mc_var_policy_free
+ *                then frees the state itself)
  *
  * The sampler owns everything else: the conditioning, the scale inputs, the
  * logits of all rows, guidance, sampling and the VQ update. Register a new
@@ -81,26 +84,38 @@ typedef struct mc_var_policy_ops {
     mc_config_schema schema;
     /* Cross-field and model-dependent checks of a filled config. */
     mc_status (*check)(const void *config, const mc_var_config *model, mc_err *err);
-    mc_status (*create)(mc_var *var, const void *config, const mc_var_run_shape *run, void **state, mc_err *err);
+    /* Fills a zeroed state of state_size bytes for one run with a checked
+     * config. On failure the seam calls release: it must handle a state
+     * init left partly filled. */
+    size_t state_size;
+    mc_status (*init)(void *state, mc_var *var, const void *config, const mc_var_run_shape *run, mc_err *err);
     /* An mc_var_scale_mode: run scale si, run it unguided, or skip it. */
     int (*scale_plan)(void *state, int si);
     mc_status (*transformer)(void *state, const mc_var_scale *scale, mc_var_transformer_stats *stats, mc_err *err);
     size_t (*cache_bytes)(const void *state);
-    void (*free)(void *state);
+    void (*release)(void *state);
 } mc_var_policy_ops;
 
-/* The ops table of a policy whose functions are <prefix>_check, _create,
- * _scale_plan, _transformer, _cache_bytes and _free. */
+/* The ops table of a policy whose state is <prefix>_state and whose
+ * functions are <prefix>_check, _init, _scale_plan, _transformer,
+ * _cache_bytes and _release. */
 #define MC_VAR_POLICY_OPS(prefix, policy_name, field_table, config_type)                                    \
     {.schema = {policy_name, field_table, sizeof(config_type)}, .check = prefix##_check,                    \
-     .create = prefix##_create, .scale_plan = prefix##_scale_plan, .transformer = prefix##_transformer,     \
-     .cache_bytes = prefix##_cache_bytes, .free = prefix##_free}
+     .state_size = sizeof(prefix##_state), .init = prefix##_init, .scale_plan = prefix##_scale_plan,        \
+     .transformer = prefix##_transformer, .cache_bytes = prefix##_cache_bytes, .release = prefix##_release}
 
 /* A policy made for one run. */
 typedef struct mc_var_policy {
     const mc_var_policy_ops *ops;
     void *state;
 } mc_var_policy;
+
+/* A policy's life for one run (policy_seam.h): make checks the config,
+ * allocates the state and has the policy fill it (ops NULL: NoCache); on
+ * failure policy->state is NULL and nothing is held. */
+mc_status mc_var_policy_make(mc_var_policy *policy, const mc_var_policy_ops *ops, mc_var *var, const void *config,
+                             const mc_var_run_shape *run, mc_err *err);
+void mc_var_policy_free(mc_var_policy *policy);
 
 /* The registered policies, or the one named `name` (NULL if none). "none",
  * the name of the Python NoCache class MAR and VAR share, finds NoCache. */

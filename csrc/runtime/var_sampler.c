@@ -67,8 +67,7 @@ static void release_buffers(mc_var_run *r) {
 void mc_var_run_free(mc_var_run *r) {
     if (r == NULL)
         return;
-    if (r->policy.state != NULL)
-        r->policy.ops->free(r->policy.state);
+    mc_var_policy_free(&r->policy);
     release_buffers(r);
     free(r->seq_labels);
     free(r->images);
@@ -219,12 +218,8 @@ static mc_status run_begin(void *opaque, int *num_steps, mc_err *err) {
     /* f_hat starts at zero (A4 setup step 6): the caller's output buffer, zeroed, is the source. */
     memset(r->f_hat_out, 0, f_hat_bytes);
     MC_TRY(r->vq_be->ops->upload(r->vq_be, r->q_f_hat, r->f_hat_out, f_hat_bytes, err));
-    static const char no_config = 0;
-    const mc_var_policy_ops *ops = r->args.policy ? r->args.policy : &mc_var_nocache_policy;
-    const void *config = r->args.policy ? r->args.policy_config : &no_config;
     mc_var_run_shape shape = {.n_images = B, .cfg_on = r->cfg_on, .n_seq = r->S};
-    r->policy.ops = ops;
-    return ops->create(var, config, &shape, &r->policy.state, err);
+    return mc_var_policy_make(&r->policy, r->args.policy, var, r->args.policy_config, &shape, err);
 }
 
 /* Moves `floats` floats from one backend to the other through the host
@@ -360,9 +355,7 @@ static mc_status run_finish(void *opaque, mc_err *err) {
 /* The policy's state and the run's buffers live for one run. */
 static void run_end(void *opaque) {
     mc_var_run *r = opaque;
-    if (r->policy.state != NULL)
-        r->policy.ops->free(r->policy.state);
-    r->policy.state = NULL;
+    mc_var_policy_free(&r->policy);
     release_buffers(r);
 }
 

@@ -8,13 +8,14 @@ from .checks import _shape
 from .kinds import plan
 from .reader import read_checkpoint
 from .tensors import DTYPES, CheckpointError
-from .writer import _out_dtype, _Progress, write_safetensors
+from .._progress import Progress
+from .writer import _out_dtype, write_safetensors
 
 
 def _sha256(path, progress):
     h = hashlib.sha256()
     size = os.path.getsize(path)
-    bar = _Progress(progress, size, "sha256")
+    bar = Progress(size, "sha256", unit="B", enabled=progress)
     buf = bytearray(16 << 20)
     view = memoryview(buf)
     try:

@@ -1,61 +1,16 @@
 """The streaming safetensors writer (``spec/eval_and_formats.md`` section 9): one
 tensor in memory at a time, cast to the output dtype on the way, written to
-``DST.partial`` and renamed when complete; and the progress display it shares
-with the source hash."""
+``DST.partial`` and renamed when complete."""
 import json
 import math
 import os
 import struct
-import sys
-import time
 
 import numpy as np
 
+from .._progress import Progress
 from .checks import _shape
 from .tensors import _FLOAT_DTYPES, _ST_DTYPES, _np_dtype, bf16_bits_to_f32, f32_to_bf16_bits
-
-
-class _Progress:
-    """tqdm when installed, else a throttled counter on stderr; silent when disabled."""
-
-    def __init__(self, enabled, total, desc, unit="B"):
-        self.enabled = enabled
-        self.total = total
-        self.desc = desc
-        self.done = 0
-        self._bar = None
-        self._last = 0.0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024, leave=True)
-        except ImportError:
-            self._bar = None
-
-    def update(self, n, label=""):
-        self.done += n
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.5 or self.done >= self.total:
-            self._last = now
-            pct = 100.0 * self.done / self.total if self.total else 100.0
-            sys.stderr.write(f"\r{self.desc}: {self.done / 2**20:,.1f} / {self.total / 2**20:,.1f} MiB "
-                             f"({pct:5.1f}%) {label[:48]:<48}")
-            sys.stderr.flush()
-
-    def close(self):
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def _out_dtype(src, target):
@@ -108,7 +63,7 @@ def write_safetensors(path, tensors, metadata=None, dtype="F32", progress=False)
     blob += b" " * (-len(blob) % 8)
     total = 8 + len(blob) + offset
     tmp = os.fspath(path) + ".partial"
-    bar = _Progress(progress, offset, "writing")
+    bar = Progress(offset, "writing", unit="B", enabled=progress)
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))

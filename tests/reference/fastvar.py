@@ -248,54 +248,26 @@ def generate(model, vq, labels, settings, cfg=1.5, top_k=900, top_p=0.96, more_s
     seq_labels = np.concatenate([labels, np.full(B, model.num_classes)]) if cfg_on else labels
     t = FastVARTransformer(model, settings, seq_labels)
     cond = RV.f64(model.W["class_emb.weight"])[seq_labels]
-    codebook = RV.f64(vq.codebook)
-    f_hat = np.zeros((B, side, side, codebook.shape[1]))
-    tokens = np.full((B, model.L), -1, np.int64)
-    own = np.full((B, model.L), -1, np.int64)
-    margins = np.full((B, model.L), np.inf)
-    out_guided, out_logits, sequences = [], [], []
+    run = RV.new_run(B, model.L, side, RV.f64(vq.codebook), token_fill=-1, margin_fill=np.inf)
+    sequences = []
     next_map = None
     images = first_index + np.arange(B)
     for si, pn in enumerate(model.patch_nums):
         if settings.skipped(si, n_scales):
             break
-        n, begin = pn * pn, model.begin[si]
         both = guided_scale(cfg, si, n_scales, cfg_free_after)
         if si == 0:
             x = model.first_input(cond if both else cond[:B])
         else:
-            x = model.scale_input(si, next_map.reshape(B, n, -1))
+            x = model.scale_input(si, next_map.reshape(B, pn * pn, -1))
             if both:
                 x = np.concatenate([x, x], 0)
         x = t.scale(si, x)
         sequences.append(x.shape[0])
-        logits = model.logits(x, t.head_mod)
-        out_logits.append(logits)
-        g = RV.guidance(cfg, si, n_scales)
-        guided = (1 + g) * logits[:B] - g * logits[B:] if both else logits[:B]
-        out_guided.append(guided)
-        positions = begin + np.arange(n)
-        u = RV.sample_uniforms(seed, images[:, None], positions[None, :], si)
-        masked = np.empty((B, n, model.V))
-        for b in range(B):
-            for r in range(n):
-                tok, masked[b, r], margins[b, begin + r] = RV.sample_row(guided[b, r], top_k, top_p, u[b, r])
-                own[b, begin + r] = tok
-        used = own[:, begin:begin + n] if forced_tokens is None else np.asarray(forced_tokens)[:, begin:begin + n]
-        tokens[:, begin:begin + n] = used
-        if more_smooth:
-            ratio = 0.0 if n_scales == 1 else si / (n_scales - 1)
-            tau = max(0.27 * (1 - 0.95 * ratio), 0.005)
-            probs = RV.gumbel_probs(masked.reshape(B * n, -1), 1 + ratio, tau, seed, np.repeat(images, n),
-                                    np.tile(positions, B), si)
-            h = probs @ codebook
-        else:
-            h = codebook[used.reshape(-1)]
-        f_hat = vq.add_scale(f_hat, h.reshape(B, pn, pn, -1), si, n_scales)
-        if si + 1 < n_scales:
-            next_map = vq.next_input(f_hat, model.patch_nums[si + 1])
-    return {"tokens": tokens, "own_tokens": own, "margins": margins, "f_hat": f_hat, "guided": out_guided,
-            "logits": out_logits, "transformer": t, "sequences": sequences}
+        next_map = RV.sample_scale(run, model, vq, si, model.logits(x, t.head_mod), both, cfg, top_k, top_p,
+                                   more_smooth, seed, images, forced_tokens)
+    del run["codebook"]
+    return dict(run, transformer=t, sequences=sequences)
 
 
 # ------------------------------------------------------------------------------------------

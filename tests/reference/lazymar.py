@@ -399,6 +399,23 @@ def sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, tem
     return head_cached
 
 
+def finish_step(W, log, entry, x_c, x_u, pred, n_pred, prev_pred, p_prev, tokens, cfg_iter, first_index, seed,
+                temperature, tables, policy):
+    """The end of an AR step of a token-cache policy (LazyMAR, MARche): the head samples
+    the n_pred predicted tokens per image (sample_predicted) and the step's entry is
+    logged. Returns (prev_pred, p_prev) for the next step: the positions predicted at the
+    last step that predicted anything, and their count per image."""
+    assert pred.sum() == len(pred) * n_pred
+    head_cached = 0
+    if n_pred > 0:
+        head_cached = sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, temperature, tables,
+                                       policy)
+        prev_pred, p_prev = pred.copy(), n_pred
+    entry.update(cfg_iter=cfg_iter, head_cached=head_cached)
+    log.append(entry)
+    return prev_pred, p_prev
+
+
 def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_schedule, temperature, seed,
                             first_index, heads, lz, tables=None):
     """MAR sampling with LazyMAR (lazymar.md), Philox orders and noise as in
@@ -479,36 +496,25 @@ def generate_tokens_lazymar(W, labels_or_None, num_images, steps, cfg, cfg_sched
             entry.update(sequences=len(run), encoder_rows=len(run) * out["enc_rows"])
 
         mask = mask_next
-        assert pred.sum() == B * n_pred
         cfg_iter = R.cfg_schedule(cfg, cfg_schedule, mask_len, S) if cfg_on else 1.0
-        head_cached = 0
-        if n_pred > 0:
-            head_cached = sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, temperature,
-                                           tables, lz)
-            prev_pred = pred.copy()
-            p_prev = n_pred
-        entry.update(cfg_iter=cfg_iter, head_cached=head_cached)
-        log.append(entry)
+        prev_pred, p_prev = finish_step(W, log, entry, x_c, x_u, pred, n_pred, prev_pred, p_prev, tokens, cfg_iter,
+                                        first_index, seed, temperature, tables, lz)
     return tokens, log
 
 
-def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads, sel, dec_depth, n_keep, P, S):
-    """One cached step with the token cache (sections 5.1-5.5) on the cached
-    sequences (class vectors cls_c, images img_c). Updates st in place.
-    Returns (x [nc, P+S, D] with the kept rows of the last decoder block
-    output, zeros elsewhere; log fields)."""
+def cached_encoder(W, st, tokens, mask, prev_pred, cls_c, img_c, heads, P):
+    """The cached encoder (section 5.1) on the cached sequences: buffer rows + the
+    tokens revealed since the last encoder pass, against the per-layer encoder K/V
+    cache; updates st["dec_in"] at those rows. MARche's encoder cache is this one.
+    Returns the encoder query rows per sequence (P + p)."""
     nc = len(img_c)
-    L = P + S
     known = ~mask
     new = known & ~st["enc_known"]
     if not np.array_equal(new, prev_pred):
         raise NotImplementedError("the reference assumes every step predicts at least one token")
-    p = int(new[0].sum())
     new_pos = _known_positions(~new)[img_c]                                   # [nc, p] ascending
-    # ---- 5.1 encoder: buffer rows + tokens revealed last step, against the K/V cache
     h = _encoder_front(W, ops.f64(tokens)[img_c], cls_c, new_pos, P)
-    enc_depth = len(st["enc_k"])
-    for i in range(enc_depth):
+    for i in range(len(st["enc_k"])):
         pre = "encoder_blocks.%d" % i
         q, kk, vv = _qkv(W, pre, h)
         Kc, Vc = st["enc_k"][i], st["enc_v"][i]
@@ -523,6 +529,18 @@ def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads,
     E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
     rows = np.concatenate([np.broadcast_to(np.arange(P), (nc, P)), P + new_pos], axis=1)
     st["dec_in"][np.arange(nc)[:, None], rows] = _decoder_input_rows(W, E, rows)
+    return P + new_pos.shape[1]
+
+
+def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads, sel, dec_depth, n_keep, P, S):
+    """One cached step with the token cache (sections 5.1-5.5) on the cached
+    sequences (class vectors cls_c, images img_c). Updates st in place.
+    Returns (x [nc, P+S, D] with the kept rows of the last decoder block
+    output, zeros elsewhere; log fields)."""
+    nc = len(img_c)
+    L = P + S
+    # ---- 5.1 encoder: buffer rows + tokens revealed last step, against the K/V cache
+    enc_rows = cached_encoder(W, st, tokens, mask, prev_pred, cls_c, img_c, heads, P)
     # ---- 5.2 decoder layers 0..sel-1 and the attention of sel, all rows
     x = st["dec_in"].copy()
     for i in range(sel):
@@ -556,6 +574,6 @@ def _token_cache_step(W, st, tokens, mask, pred, prev_pred, cls_c, img_c, heads,
         xk = _mlp_residual(W, pre, xk)
     out = np.zeros((nc, L, xk.shape[-1]))
     out[ar, kept_arr] = xk
-    info = dict(kept=[r.tolist() for r in kept], n_keep=n_keep, sequences=nc, encoder_rows=nc * (P + p),
+    info = dict(kept=[r.tolist() for r in kept], n_keep=n_keep, sequences=nc, encoder_rows=nc * enc_rows,
                 select_gap=float(min(gaps)) if gaps else np.inf, select_gaps=[float(g) for g in gaps])
     return out, info

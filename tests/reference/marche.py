@@ -119,36 +119,6 @@ def decoder_full(W, x, heads):
     return x, dec_k, dec_v
 
 
-def _cached_encoder(W, st, tokens, mask, prev_pred, cls_c, img_c, heads, P):
-    """LazyMAR's cached encoder (lazymar.md 5.1) on the cached sequences:
-    buffer rows + the tokens revealed since the last encoder pass, against
-    the per-layer encoder K/V cache; updates st["dec_in"] at those rows.
-    Returns the encoder query rows per sequence (P + p)."""
-    nc = len(img_c)
-    known = ~mask
-    new = known & ~st["enc_known"]
-    if not np.array_equal(new, prev_pred):
-        raise NotImplementedError("the reference assumes every step predicts at least one token")
-    new_pos = LZ._known_positions(~new)[img_c]                                # [nc, p] ascending
-    h = LZ._encoder_front(W, ops.f64(tokens)[img_c], cls_c, new_pos, P)
-    for i in range(len(st["enc_k"])):
-        pre = "encoder_blocks.%d" % i
-        q, kk, vv = LZ._qkv(W, pre, h)
-        Kc, Vc = st["enc_k"][i], st["enc_v"][i]
-        Kc[:, :P] = kk[:, :P]
-        Vc[:, :P] = vv[:, :P]
-        Kc = np.concatenate([Kc, kk[:, P:]], axis=1)
-        Vc = np.concatenate([Vc, vv[:, P:]], axis=1)
-        st["enc_k"][i], st["enc_v"][i] = Kc, Vc
-        h = LZ._attn_residual(W, pre, h, q, Kc, Vc, heads)
-        h = LZ._mlp_residual(W, pre, h)
-    st["enc_known"] = known.copy()
-    E = ops.layernorm(h, _w(W, "encoder_norm.weight"), _w(W, "encoder_norm.bias"), R.ln_eps("encoder_norm"))
-    rows = np.concatenate([np.broadcast_to(np.arange(P), (nc, P)), P + new_pos], axis=1)
-    st["dec_in"][np.arange(nc)[:, None], rows] = LZ._decoder_input_rows(W, E, rows)
-    return P + new_pos.shape[1]
-
-
 def cached_decoder(W, st, x, gen_rows, forced_rows, n_active, mc, heads, P):
     """The decoder of a cached step (marche.md 3.1-3.2) on the cached
     sequences. x [nc, P+S, D] decoder input; gen_rows [nc, g] (generating
@@ -266,7 +236,7 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
             if n_pred == 0:
                 raise NotImplementedError("the reference assumes every step predicts at least one token")
             if mc.encoder_cache:
-                enc_rows = _cached_encoder(W, st, tokens, mask, prev_pred, cls[cached], img_c, heads, P)
+                enc_rows = LZ.cached_encoder(W, st, tokens, mask, prev_pred, cls[cached], img_c, heads, P)
                 dec_in = st["dec_in"].copy()
             else:
                 enc = encoder_full(W, tok_seq[cached], mask[img_c], cls[cached], heads)
@@ -286,14 +256,7 @@ def generate_tokens_marche(W, labels_or_None, num_images, steps, cfg, cfg_schedu
                          select_gaps=[float(g) for g in gaps], relevance=rel)
 
         mask = mask_next
-        assert pred.sum() == B * n_pred
         cfg_iter = R.cfg_schedule(cfg, cfg_schedule, mask_len, S) if cfg_on else 1.0
-        head_cached = 0
-        if n_pred > 0:
-            head_cached = LZ.sample_predicted(W, x_c, x_u, pred, tokens, cfg_iter, first_index, seed, temperature,
-                                              tables, mc)
-            prev_pred = pred.copy()
-            p_prev = n_pred
-        entry.update(cfg_iter=cfg_iter, head_cached=head_cached)
-        log.append(entry)
+        prev_pred, p_prev = LZ.finish_step(W, log, entry, x_c, x_u, pred, n_pred, prev_pred, p_prev, tokens, cfg_iter,
+                                           first_index, seed, temperature, tables, mc)
     return tokens, log

@@ -313,6 +313,53 @@ def guidance(cfg, si, n_scales):
     return 0.0 if n_scales == 1 else cfg * (si / (n_scales - 1))
 
 
+def new_run(B, L, side, codebook, token_fill=0, margin_fill=0.0):
+    """What a scale loop carries and returns (generate's dict): tokens, own_tokens, margins
+    [B, L] (filled with token_fill / margin_fill until a scale samples them), f_hat, the
+    codebook, and the per-scale guided and raw logits."""
+    return {"tokens": np.full((B, L), token_fill, np.int64), "own_tokens": np.full((B, L), token_fill, np.int64),
+            "margins": np.full((B, L), margin_fill), "f_hat": np.zeros((B, side, side, codebook.shape[1])),
+            "codebook": codebook, "guided": [], "logits": []}
+
+
+def sample_scale(run, model, vq, si, logits, both, cfg, top_k, top_p, more_smooth, seed, images,
+                 forced_tokens=None):
+    """A4 steps 3-6 of scale si, whatever ran the transformer: guidance of logits (rows
+    [cond; uncond] when `both`, else the B conditional rows, which are then the guided
+    ones), a draw per token with the Philox uniform of (seed, image, step = si, position =
+    token index in the L-token sequence), the tokens used (forced_tokens' where given: the
+    loop then follows an engine whose float32 decisions differ at a near tie), the VQ update
+    of f_hat (codebook rows, or Gumbel probabilities x codebook with more_smooth). Updates
+    `run` (new_run) in place; returns the next scale's input map (None after the last)."""
+    B, n_scales = len(images), len(model.patch_nums)
+    pn = model.patch_nums[si]
+    n, begin = pn * pn, model.begin[si]
+    codebook, own, margins = run["codebook"], run["own_tokens"], run["margins"]
+    run["logits"].append(logits)
+    t = guidance(cfg, si, n_scales)
+    guided = (1 + t) * logits[:B] - t * logits[B:] if both else logits[:B]
+    run["guided"].append(guided)
+    positions = begin + np.arange(n)
+    u = sample_uniforms(seed, images[:, None], positions[None, :], si)
+    masked = np.empty((B, n, model.V))
+    for b in range(B):
+        for r in range(n):
+            tok, masked[b, r], margins[b, begin + r] = sample_row(guided[b, r], top_k, top_p, u[b, r])
+            own[b, begin + r] = tok
+    used = own[:, begin:begin + n] if forced_tokens is None else np.asarray(forced_tokens)[:, begin:begin + n]
+    run["tokens"][:, begin:begin + n] = used
+    if more_smooth:
+        ratio = 0.0 if n_scales == 1 else si / (n_scales - 1)
+        tau = max(0.27 * (1 - 0.95 * ratio), 0.005)
+        probs = gumbel_probs(masked.reshape(B * n, -1), 1 + ratio, tau, seed, np.repeat(images, n),
+                             np.tile(positions, B), si)
+        h = probs @ codebook
+    else:
+        h = codebook[used.reshape(-1)]
+    run["f_hat"] = vq.add_scale(run["f_hat"], h.reshape(B, pn, pn, -1), si, n_scales)
+    return vq.next_input(run["f_hat"], model.patch_nums[si + 1]) if si + 1 < n_scales else None
+
+
 def generate(model, vq, labels, cfg=1.5, top_k=900, top_p=0.96, more_smooth=False, seed=0, first_index=0,
              forced_tokens=None):
     """The whole sampling loop (A4) in float64 for B = len(labels) images.
@@ -329,56 +376,27 @@ def generate(model, vq, labels, cfg=1.5, top_k=900, top_p=0.96, more_smooth=Fals
     margins [B, L], f_hat [B, side, side, Cvae], guided (list of per-scale guided logits
     [B, n, V] before masking), logits (per-scale raw logits [S, n, V])."""
     labels = np.asarray(labels)
-    B, n_scales, side = labels.size, len(model.patch_nums), model.patch_nums[-1]
+    B, side = labels.size, model.patch_nums[-1]
     cfg_on = cfg != 0
     seq_labels = np.concatenate([labels, np.full(B, model.num_classes)]) if cfg_on else labels
     cond, mods, head_mod = model.condition(seq_labels)
     kv = [None] * model.depth
-    codebook = f64(vq.codebook)
-    f_hat = np.zeros((B, side, side, codebook.shape[1]))
-    tokens = np.zeros((B, model.L), np.int64)
-    own = np.zeros((B, model.L), np.int64)
-    margins = np.zeros((B, model.L))
-    out_guided, out_logits = [], []
+    run = new_run(B, model.L, side, f64(vq.codebook))
     next_map = None
     images = first_index + np.arange(B)
     for si, pn in enumerate(model.patch_nums):
-        n, begin = pn * pn, model.begin[si]
         if si == 0:
             x = model.first_input(cond)
         else:
-            x = model.scale_input(si, next_map.reshape(B, n, -1))
+            x = model.scale_input(si, next_map.reshape(B, pn * pn, -1))
             if cfg_on:
                 x = np.concatenate([x, x], 0)
         for i in range(model.depth):
             x = model.block(i, x, mods[i], kv)
-        logits = model.logits(x, head_mod)
-        out_logits.append(logits)
-        t = guidance(cfg, si, n_scales)
-        guided = (1 + t) * logits[:B] - t * logits[B:] if cfg_on else logits[:B]
-        out_guided.append(guided)
-        positions = begin + np.arange(n)
-        u = sample_uniforms(seed, images[:, None], positions[None, :], si)
-        masked = np.empty((B, n, model.V))
-        for b in range(B):
-            for r in range(n):
-                tok, masked[b, r], margins[b, begin + r] = sample_row(guided[b, r], top_k, top_p, u[b, r])
-                own[b, begin + r] = tok
-        used = own[:, begin:begin + n] if forced_tokens is None else np.asarray(forced_tokens)[:, begin:begin + n]
-        tokens[:, begin:begin + n] = used
-        if more_smooth:
-            ratio = 0.0 if n_scales == 1 else si / (n_scales - 1)
-            tau = max(0.27 * (1 - 0.95 * ratio), 0.005)
-            probs = gumbel_probs(masked.reshape(B * n, -1), 1 + ratio, tau, seed, np.repeat(images, n),
-                                 np.tile(positions, B), si)
-            h = probs @ codebook
-        else:
-            h = codebook[used.reshape(-1)]
-        f_hat = vq.add_scale(f_hat, h.reshape(B, pn, pn, -1), si, n_scales)
-        if si + 1 < n_scales:
-            next_map = vq.next_input(f_hat, model.patch_nums[si + 1])
-    return {"tokens": tokens, "own_tokens": own, "margins": margins, "f_hat": f_hat, "guided": out_guided,
-            "logits": out_logits}
+        next_map = sample_scale(run, model, vq, si, model.logits(x, head_mod), cfg_on, cfg, top_k, top_p,
+                                more_smooth, seed, images, forced_tokens)
+    del run["codebook"]
+    return run
 
 
 # ------------------------------------------------------------------------------------------

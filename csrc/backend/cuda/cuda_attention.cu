@@ -173,58 +173,38 @@ __global__ void __launch_bounds__(32 * ATT_MAX_WARPS)
  * the end. Each score is a block-wide dot product. Slow, any head_dim. */
 #define NAIVE_THREADS 128
 
-__device__ float naive_score(const float *qrow, const float *krow, int D, float scale,
-                             float *red) {
-    float part = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        part += qrow[d] * krow[d];
-    return mc_block_sum(part, red) * scale;
+/* Both naive references (attention_naive and attention_naive_16bit, the one
+ * kernel template below) walk the same rows and keys: query row `row` of the grid-stride order (query
+ * index fastest, then head, then item), and key j of segment s for its item
+ * and head. */
+struct naive_row {
+    int64_t b;      /* item */
+    int h;          /* head */
+    const float *q; /* the query row */
+    float *o;       /* the output row */
+};
+
+__device__ __forceinline__ naive_row naive_row_of(int64_t row, int64_t nq, int heads, int D, const float *q,
+                                                  int64_t ldq, int64_t q_bstride, float *out, int64_t ldo,
+                                                  int64_t o_bstride) {
+    const int64_t i = row % nq, bh = row / nq;
+    naive_row r;
+    r.h = (int)(bh % heads);
+    r.b = bh / heads;
+    r.q = q + r.b * q_bstride + i * ldq + (int64_t)r.h * D;
+    r.o = out + r.b * o_bstride + i * ldo + (int64_t)r.h * D;
+    return r;
 }
 
-__global__ void attention_naive_kernel(int64_t batch, int64_t nq, int heads, int D, float scale,
-                                       const float *q, int64_t ldq, int64_t q_bstride,
-                                       att_segments segs, float *out, int64_t ldo,
-                                       int64_t o_bstride) {
-    __shared__ float red[32];
-    const int64_t items = batch * heads * nq;
-    for (int64_t row = blockIdx.x; row < items; row += gridDim.x) {
-        const int64_t i = row % nq, bh = row / nq;
-        const int h = (int)(bh % heads);
-        const int64_t b = bh / heads;
-        const float *qrow = q + b * q_bstride + i * ldq + (int64_t)h * D;
-        float *orow = out + b * o_bstride + i * ldo + (int64_t)h * D;
-
-        float m = -INFINITY;
-        for (int s = 0; s < segs.count; s++)
-            for (int64_t j = 0; j < segs.rows[s]; j++) {
-                const float *krow = segs.k[s] + b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
-                m = fmaxf(m, naive_score(qrow, krow, D, scale, red));
-            }
-
-        float l = 0.0f;
-        for (int d = threadIdx.x; d < D; d += blockDim.x)
-            orow[d] = 0.0f;
-        for (int s = 0; s < segs.count; s++)
-            for (int64_t j = 0; j < segs.rows[s]; j++) {
-                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
-                const float p = expf(naive_score(qrow, segs.k[s] + off, D, scale, red) - m);
-                l += p;
-                for (int d = threadIdx.x; d < D; d += blockDim.x)
-                    orow[d] += p * segs.v[s][off + d];
-            }
-        for (int d = threadIdx.x; d < D; d += blockDim.x)
-            orow[d] /= l;
-    }
+/* Where key (and value) j of segment s of the row's item and head starts. */
+__device__ __forceinline__ int64_t naive_kv_offset(const att_segments &segs, int s, int64_t j, const naive_row &r,
+                                                   int D) {
+    return r.b * segs.bstride[s] + j * segs.ld[s] + (int64_t)r.h * D;
 }
 
-/* attention_naive_16bit: the reference for the 16-bit form of attention
- * (ops.h), beside the tensor-core kernel as attention_naive is beside the
- * flash kernel, and the same arithmetic as the CPU emulation
- * (cpu_attention.c, attention_pair_16bit): q, k and v rounded to T (nearest
- * even), scores and sums in float32, the probabilities normalised first and
- * then rounded to T before they weight v. Three passes per query row (max,
- * sum, weighted v) because the rounding comes after the division by l. */
+/* x rounded to T (nearest even) and back; T = float keeps x (the fp32 kernel). */
 template <typename T> __device__ __forceinline__ float round_to(float x);
+template <> __device__ __forceinline__ float round_to<float>(float x) { return x; }
 template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float x) {
     return __bfloat162float(__float2bfloat16_rn(x));
 }
@@ -232,52 +212,83 @@ template <> __device__ __forceinline__ float round_to<__half>(float x) {
     return __half2float(__float2half_rn(x));
 }
 
+/* A score: the block-wide dot product of q and k, each rounded to T. */
 template <typename T>
-__device__ float naive_score_16bit(const float *qrow, const float *krow, int D, float scale,
-                                   float *red) {
+__device__ float naive_score(const float *qrow, const float *krow, int D, float scale, float *red) {
     float part = 0.0f;
     for (int d = threadIdx.x; d < D; d += blockDim.x)
         part += round_to<T>(qrow[d]) * round_to<T>(krow[d]);
     return mc_block_sum(part, red) * scale;
 }
 
+/* The first pass of both references: the largest score of the row over every
+ * key of every segment. */
 template <typename T>
-__global__ void attention_naive_16bit_kernel(int64_t batch, int64_t nq, int heads, int D,
-                                             float scale, const float *q, int64_t ldq,
-                                             int64_t q_bstride, att_segments segs, float *out,
-                                             int64_t ldo, int64_t o_bstride) {
+__device__ float naive_max_score(const naive_row &r, const att_segments &segs, int D, float scale, float *red) {
+    float m = -INFINITY;
+    for (int s = 0; s < segs.count; s++)
+        for (int64_t j = 0; j < segs.rows[s]; j++)
+            m = fmaxf(m, naive_score<T>(r.q, segs.k[s] + naive_kv_offset(segs, s, j, r, D), D, scale, red));
+    return m;
+}
+
+/* The passes after the max, per precision. They are not one arithmetic
+ * with a rounding switched off: fp32 (attention_naive) accumulates
+ * exp(s - m) into l and exp(s - m) v into the output row and divides the row
+ * by l at the end; 16-bit T (attention_naive_16bit: the reference for the
+ * 16-bit form of attention, ops.h, and the same arithmetic as the CPU
+ * emulation, cpu_attention.c attention_pair_16bit) sums l first, then adds
+ * round_T(exp(s - m) / l) round_T(v), because the probabilities are
+ * normalised before they are rounded: scores and sums in float32. */
+template <typename T>
+__device__ void naive_weighted_sum(const naive_row &r, const att_segments &segs, int D, float scale, float m,
+                                   float *red) {
+    float l = 0.0f;
+    for (int s = 0; s < segs.count; s++)
+        for (int64_t j = 0; j < segs.rows[s]; j++)
+            l += expf(naive_score<T>(r.q, segs.k[s] + naive_kv_offset(segs, s, j, r, D), D, scale, red) - m);
+    const float inv = 1.0f / l;
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        r.o[d] = 0.0f;
+    for (int s = 0; s < segs.count; s++)
+        for (int64_t j = 0; j < segs.rows[s]; j++) {
+            const int64_t off = naive_kv_offset(segs, s, j, r, D);
+            const float p = round_to<T>(expf(naive_score<T>(r.q, segs.k[s] + off, D, scale, red) - m) * inv);
+            for (int d = threadIdx.x; d < D; d += blockDim.x)
+                r.o[d] += p * round_to<T>(segs.v[s][off + d]);
+        }
+}
+
+template <>
+__device__ void naive_weighted_sum<float>(const naive_row &r, const att_segments &segs, int D, float scale, float m,
+                                          float *red) {
+    float l = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        r.o[d] = 0.0f;
+    for (int s = 0; s < segs.count; s++)
+        for (int64_t j = 0; j < segs.rows[s]; j++) {
+            const int64_t off = naive_kv_offset(segs, s, j, r, D);
+            const float p = expf(naive_score<float>(r.q, segs.k[s] + off, D, scale, red) - m);
+            l += p;
+            for (int d = threadIdx.x; d < D; d += blockDim.x)
+                r.o[d] += p * segs.v[s][off + d];
+        }
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        r.o[d] /= l;
+}
+
+/* attention_naive (T = float) and attention_naive_16bit (T = __nv_bfloat16,
+ * __half): the max pass, then the precision's own passes. */
+template <typename T>
+__global__ void attention_naive_kernel(int64_t batch, int64_t nq, int heads, int D, float scale,
+                                       const float *q, int64_t ldq, int64_t q_bstride,
+                                       att_segments segs, float *out, int64_t ldo,
+                                       int64_t o_bstride) {
     __shared__ float red[32];
     const int64_t items = batch * heads * nq;
     for (int64_t row = blockIdx.x; row < items; row += gridDim.x) {
-        const int64_t i = row % nq, bh = row / nq;
-        const int h = (int)(bh % heads);
-        const int64_t b = bh / heads;
-        const float *qrow = q + b * q_bstride + i * ldq + (int64_t)h * D;
-        float *orow = out + b * o_bstride + i * ldo + (int64_t)h * D;
-
-        float m = -INFINITY;
-        for (int s = 0; s < segs.count; s++)
-            for (int64_t j = 0; j < segs.rows[s]; j++) {
-                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
-                m = fmaxf(m, naive_score_16bit<T>(qrow, segs.k[s] + off, D, scale, red));
-            }
-        float l = 0.0f;
-        for (int s = 0; s < segs.count; s++)
-            for (int64_t j = 0; j < segs.rows[s]; j++) {
-                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
-                l += expf(naive_score_16bit<T>(qrow, segs.k[s] + off, D, scale, red) - m);
-            }
-        const float inv = 1.0f / l;
-        for (int d = threadIdx.x; d < D; d += blockDim.x)
-            orow[d] = 0.0f;
-        for (int s = 0; s < segs.count; s++)
-            for (int64_t j = 0; j < segs.rows[s]; j++) {
-                const int64_t off = b * segs.bstride[s] + j * segs.ld[s] + (int64_t)h * D;
-                const float p = round_to<T>(
-                    expf(naive_score_16bit<T>(qrow, segs.k[s] + off, D, scale, red) - m) * inv);
-                for (int d = threadIdx.x; d < D; d += blockDim.x)
-                    orow[d] += p * round_to<T>(segs.v[s][off + d]);
-            }
+        const naive_row r = naive_row_of(row, nq, heads, D, q, ldq, q_bstride, out, ldo, o_bstride);
+        naive_weighted_sum<T>(r, segs, D, scale, naive_max_score<T>(r, segs, D, scale, red), red);
     }
 }
 
@@ -538,16 +549,16 @@ mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads
         if (st->naive || tc_smem_bytes(head_dim) > st->smem_per_block_optin) {
             const int64_t items = batch * heads * nq;
             if (be->linear_wtype == MC_WTYPE_BF16)
-                attention_naive_16bit_kernel<__nv_bfloat16>
+                attention_naive_kernel<__nv_bfloat16>
                     <<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
                         batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out, ldo,
                         o_bstride);
             else
-                attention_naive_16bit_kernel<__half>
+                attention_naive_kernel<__half>
                     <<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
                         batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out, ldo,
                         o_bstride);
-            MC_CUDA_LAUNCHED("attention_naive_16bit_kernel", err);
+            MC_CUDA_LAUNCHED("attention_naive_kernel (16-bit)", err);
             return MC_OK;
         }
         if (be->linear_wtype == MC_WTYPE_BF16)
@@ -560,7 +571,7 @@ mc_status mc_cuda_attention(mc_backend *be, int64_t batch, int64_t nq, int heads
 
     if (st->naive || head_dim > 32 * 4) {
         const int64_t items = batch * heads * nq;
-        attention_naive_kernel<<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
+        attention_naive_kernel<float><<<mc_cuda_blocks(items, 1), NAIVE_THREADS, 0, st->stream>>>(
             batch, nq, heads, head_dim, scale, q, ldq, q_bstride, list, out, ldo, o_bstride);
         MC_CUDA_LAUNCHED("attention_naive_kernel", err);
         return MC_OK;

@@ -304,6 +304,19 @@ __device__ __forceinline__ double gumbel_logit(float logit, uint32_t word, doubl
     return __dadd_rn(__dmul_rn((double)logit, scale), gumbel) / tau;
 }
 
+/* The z of the entries of a row that Philox block b draws for (4, fewer at
+ * the end of the row) into z; returns how many. */
+__device__ __forceinline__ int gumbel_block(const float *row, int64_t vocab, int64_t b, uint64_t seed,
+                                            uint32_t image, uint32_t position, uint32_t step, double scale,
+                                            double tau, double z[4]) {
+    uint32_t words[4];
+    mc_philox_block_inline(seed, image, MC_STREAM_VAR_GUMBEL, position, step, (uint32_t)b, words);
+    int n = 0;
+    for (; n < 4 && 4 * b + n < vocab; n++)
+        z[n] = gumbel_logit(row[4 * b + n], words[n], scale, tau);
+    return n;
+}
+
 /* One block per row, three passes over the row that recompute z (a few
  * Philox rounds per 4 entries) instead of keeping it: the maximum, the sum
  * of exp(z - max), the probabilities. The sum is the block's fixed-order
@@ -328,37 +341,25 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
                 mc_cuda_record_row_fault(row_fault, MC_OP_ID_gumbel_softmax, r, fault);
             continue;
         }
-        double max_z = -INFINITY;
+        double z[4], max_z = -INFINITY;
         for (int64_t b = threadIdx.x; b < nblocks; b += blockDim.x) {
-            uint32_t words[4];
-            mc_philox_block_inline(seed, image[r], MC_STREAM_VAR_GUMBEL, position[r], step,
-                                   (uint32_t)b, words);
-            for (int i = 0; i < 4 && 4 * b + i < vocab; i++) {
-                const double z = gumbel_logit(row[4 * b + i], words[i], scale, t);
-                max_z = z > max_z ? z : max_z;
-            }
+            const int n = gumbel_block(row, vocab, b, seed, image[r], position[r], step, scale, t, z);
+            for (int i = 0; i < n; i++)
+                max_z = z[i] > max_z ? z[i] : max_z;
         }
         max_z = block_max(max_z, dshared);
         double sum = 0.0;
         for (int64_t b = threadIdx.x; b < nblocks; b += blockDim.x) {
-            uint32_t words[4];
-            mc_philox_block_inline(seed, image[r], MC_STREAM_VAR_GUMBEL, position[r], step,
-                                   (uint32_t)b, words);
-            for (int i = 0; i < 4 && 4 * b + i < vocab; i++) {
-                const double z = gumbel_logit(row[4 * b + i], words[i], scale, t);
-                sum += z == -INFINITY ? 0.0 : exp(z - max_z);
-            }
+            const int n = gumbel_block(row, vocab, b, seed, image[r], position[r], step, scale, t, z);
+            for (int i = 0; i < n; i++)
+                sum += z[i] == -INFINITY ? 0.0 : exp(z[i] - max_z);
         }
         sum = mc_block_sum(sum, dshared);
         float *p = probs + r * ldp;
         for (int64_t b = threadIdx.x; b < nblocks; b += blockDim.x) {
-            uint32_t words[4];
-            mc_philox_block_inline(seed, image[r], MC_STREAM_VAR_GUMBEL, position[r], step,
-                                   (uint32_t)b, words);
-            for (int i = 0; i < 4 && 4 * b + i < vocab; i++) {
-                const double z = gumbel_logit(row[4 * b + i], words[i], scale, t);
-                p[4 * b + i] = (float)((z == -INFINITY ? 0.0 : exp(z - max_z)) / sum);
-            }
+            const int n = gumbel_block(row, vocab, b, seed, image[r], position[r], step, scale, t, z);
+            for (int i = 0; i < n; i++)
+                p[4 * b + i] = (float)((z[i] == -INFINITY ? 0.0 : exp(z[i] - max_z)) / sum);
         }
     }
 }
