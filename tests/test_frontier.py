@@ -93,7 +93,8 @@ def test_demo_frontier_cli(tmp_path):
     out = tmp_path / "f.png"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.run([sys.executable, "-m", "marcache", "demo", "--frontier", "--per-class", "1", "--steps", "2",
-                           "--batch", "5", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+                           "--batch", "5", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("NoCache", "LazyMAR", "MARche", "DiSA", "LazyMAR+DiSA", "MARche+DiSA"):
         assert name in proc.stdout
@@ -104,5 +105,5 @@ def test_demo_frontier_cli(tmp_path):
     except ImportError:
         assert "no plot" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "marcache", "demo", "--frontier", "--cache", "lazymar"], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "leave out --cache" in bad.stderr
