@@ -1,0 +1,227 @@
+/* The vector body of the small-row linear (cpu_smallrow.c), written once and
+ * included once per instruction set, inside that set's `#pragma GCC target`.
+ *
+ * The includer defines
+ *   SR_ISA            the suffix of the entry point: mc_smallrow_<SR_ISA>
+ *   SR_O              outputs per tile (W rows streamed side by side)
+ *   SR_RMAX           rows per register block at most (x rows sharing each
+ *                     W vector; SR_O * SR_RMAX * SR_PARTS accumulators)
+ *   sr_vec, SR_VW     a vector type of SR_VW float lanes (16: __m512, 8: __m256);
+ *                     the 16 lanes of the order are SR_PARTS = 16 / SR_VW vectors
+ *   sr_zero()         all lanes +0
+ *   sr_load(p)        SR_VW floats (unaligned)
+ *   sr_store(p, v)    SR_VW floats (unaligned)
+ *   sr_widen_bf16(p), sr_widen_f16(p)
+ *                     SR_VW 16-bit weights widened exactly to float
+ *   sr_fma(acc, w, x) acc + w * x per lane, one rounding (IEEE fma)
+ *   sr_reduce(parts)  the sum of the 16 lanes (an array of SR_PARTS vectors)
+ *                     in the fixed tree of mc_smallrow_reduce16 (cpu_smallrow.c)
+ * and gets the entry point
+ *   static void mc_smallrow_<SR_ISA>(const mc_smallrow_job *j, int64_t o_begin, int64_t o_end)
+ * which computes outputs [o_begin, o_end) of every row.
+ *
+ * The loop: for each tile of SR_O outputs, for each group of up to
+ * SR_GROUP rows, the inputs in blocks of SR_IB. A block's SR_O weight rows
+ * are read from memory once: fp32 ones in place, 16-bit ones widened into an
+ * L1 buffer (so the widening is paid once, not once per row block); then every
+ * register block of SR_RMAX rows runs over them, its accumulators loaded
+ * from and stored to the group's array between input blocks.
+ *
+ * The order: lane l of output (r, o) accumulates the products of the inputs i
+ * with i % 16 == l in increasing i, with fma, exactly as the plain reference
+ * does (blocking only saves and restores the accumulators); the lanes are then
+ * summed in the same tree. So every instruction set gives the reference's
+ * bits: the tests compare them with tolerance 0. */
+
+#define SR_CAT2(a, b) a##_##b
+#define SR_CAT(a, b) SR_CAT2(a, b)
+#define SR_FN(name) SR_CAT(name, SR_ISA)
+#define SR_INLINE static inline __attribute__((always_inline))
+#define SR_PARTS (16 / SR_VW)
+/* Inputs per block: SR_O rows of widened weights (8 x 256 x 4 B = 8 KiB)
+ * and the group's x slice stay in L1 while every row block reads them. */
+#define SR_IB 256
+/* Rows per group: the accumulators of a group live on the stack
+ * (32 x SR_O x 64 B = 16 KiB for AVX-512). */
+#define SR_GROUP 32
+
+/* Weights [i0, i0 + n) of the tile's rows as float, in `buf` rows of SR_IB
+ * floats, zero from n up to a whole chunk of 16 (x is zero there too: the
+ * plain form's fma(0, 0, acc)). The 16-bit types go through the vector
+ * widening; fp32 is copied only for a block that ends in a partial chunk. */
+SR_INLINE void SR_FN(sr_widen)(const mc_wtype wt, const char *const *wrow, int64_t i0, int64_t n,
+                               float (*buf)[SR_IB]) {
+    const int64_t esize = (int64_t)mc_wtype_size(wt), full = n / SR_VW * SR_VW;
+    for (int o = 0; o < SR_O; o++) {
+        const char *src = wrow[o] + i0 * esize;
+        float *dst = buf[o];
+        if (wt == MC_WTYPE_F32) {
+            memcpy(dst, src, (size_t)n * sizeof(float));
+        } else {
+            for (int64_t i = 0; i < full; i += SR_VW)
+                sr_store(dst + i, wt == MC_WTYPE_BF16 ? sr_widen_bf16((const uint16_t *)src + i)
+                                                      : sr_widen_f16((const uint16_t *)src + i));
+            if (full < n) {
+                _Alignas(64) uint16_t tail[SR_VW] = {0};
+                memcpy(tail, (const uint16_t *)src + full, (size_t)(n - full) * sizeof(uint16_t));
+                sr_store(dst + full, wt == MC_WTYPE_BF16 ? sr_widen_bf16(tail) : sr_widen_f16(tail));
+            }
+        }
+        for (int64_t i = n; i < (n + 15) / 16 * 16; i++)
+            dst[i] = 0.0f;
+    }
+}
+
+/* SR_VW weights at element `at` of a block's weight row of type wt, as float. */
+SR_INLINE sr_vec SR_FN(sr_loadw)(const mc_wtype wt, const void *row, int64_t at) {
+    if (wt == MC_WTYPE_F32)
+        return sr_load((const float *)row + at);
+    if (wt == MC_WTYPE_BF16)
+        return sr_widen_bf16((const uint16_t *)row + at);
+    return sr_widen_f16((const uint16_t *)row + at);
+}
+
+/* R rows (x[r] at the block's first input) x the tile's SR_O weight rows
+ * (w[o] at the block's first input, of type wt) over `chunks` chunks of 16
+ * inputs. With `keep`, the widened weights are also stored into buf, where
+ * the next row blocks read them as fp32. acc holds the R x SR_O x SR_PARTS
+ * accumulators between blocks (`first`: start from zero). The SR_O weight
+ * vectors of a part are loaded once and each x vector once: SR_O + R loads
+ * for SR_O * R fma. */
+SR_INLINE void SR_FN(sr_block)(const mc_wtype wt, const int keep, const int R, const void *const *w,
+                               float (*buf)[SR_IB], const float *const *x, int64_t chunks,
+                               sr_vec (*acc)[SR_O][SR_PARTS], int first) {
+    sr_vec a[SR_RMAX][SR_O][SR_PARTS];
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < SR_O; o++)
+            for (int p = 0; p < SR_PARTS; p++)
+                a[r][o][p] = first ? sr_zero() : acc[r][o][p];
+    for (int64_t c = 0; c < chunks; c++)
+        for (int p = 0; p < SR_PARTS; p++) {
+            const int64_t at = c * 16 + p * SR_VW;
+            sr_vec wv[SR_O];
+            for (int o = 0; o < SR_O; o++) {
+                wv[o] = SR_FN(sr_loadw)(wt, w[o], at);
+                if (keep)
+                    sr_store(buf[o] + at, wv[o]);
+            }
+            for (int r = 0; r < R; r++) {
+                const sr_vec xv = sr_load(x[r] + at);
+                for (int o = 0; o < SR_O; o++)
+                    a[r][o][p] = sr_fma(a[r][o][p], wv[o], xv);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < SR_O; o++)
+            for (int p = 0; p < SR_PARTS; p++)
+                acc[r][o][p] = a[r][o][p];
+}
+
+/* sr_block with R (1 .. SR_RMAX) made a constant. */
+SR_INLINE void SR_FN(sr_rows)(const mc_wtype wt, const int keep, int R, const void *const *w, float (*buf)[SR_IB],
+                              const float *const *x, int64_t chunks, sr_vec (*acc)[SR_O][SR_PARTS], int first) {
+    switch (R) {
+    case SR_RMAX: SR_FN(sr_block)(wt, keep, SR_RMAX, w, buf, x, chunks, acc, first); break;
+#if SR_RMAX > 1
+    case 1: SR_FN(sr_block)(wt, keep, 1, w, buf, x, chunks, acc, first); break;
+#endif
+#if SR_RMAX > 2
+    case 2: SR_FN(sr_block)(wt, keep, 2, w, buf, x, chunks, acc, first); break;
+#endif
+#if SR_RMAX > 3
+    case 3: SR_FN(sr_block)(wt, keep, 3, w, buf, x, chunks, acc, first); break;
+#endif
+#if SR_RMAX > 4
+#error "sr_rows: add the cases for SR_RMAX > 4"
+#endif
+    default: break;
+    }
+}
+
+/* Rows [r0, r0 + nr) (nr <= SR_GROUP) x outputs [o0, o0 + no) (no <=
+ * SR_O). Outputs past no stream W row o0 again and are discarded, so the
+ * loops have no branch on them. */
+SR_INLINE void SR_FN(sr_group)(const mc_smallrow_job *j, const mc_wtype wt, int64_t r0, int nr, int64_t o0,
+                               int no) {
+    const int64_t in = j->in, esize = (int64_t)mc_wtype_size(wt);
+    const char *wrow[SR_O];
+    for (int o = 0; o < SR_O; o++)
+        wrow[o] = (const char *)j->w + (o0 + (o < no ? o : 0)) * in * esize;
+    _Alignas(64) float buf[SR_O][SR_IB];
+    _Alignas(64) sr_vec acc[SR_GROUP][SR_O][SR_PARTS];
+    if (in == 0) /* no input block sets them: every sum is +0 */
+        for (int r = 0; r < nr; r++)
+            for (int o = 0; o < SR_O; o++)
+                for (int p = 0; p < SR_PARTS; p++)
+                    acc[r][o][p] = sr_zero();
+    for (int64_t i0 = 0; i0 < in; i0 += SR_IB) {
+        const int64_t n = in - i0 < SR_IB ? in - i0 : SR_IB, chunks = (n + 15) / 16;
+        /* Whole chunks: the first row block reads the weights from memory
+         * (widening 16-bit ones in registers and keeping them in buf for
+         * the next row blocks); a block ending in a partial chunk is
+         * widened into buf, zero-padded, first. */
+        const int direct = n % 16 == 0;
+        const void *w[SR_O], *wbuf[SR_O];
+        for (int o = 0; o < SR_O; o++) {
+            w[o] = wrow[o] + i0 * esize;
+            wbuf[o] = buf[o];
+        }
+        if (!direct)
+            SR_FN(sr_widen)(wt, wrow, i0, n, buf);
+        /* The next block's weights into L2 while this one computes, so the
+         * memory does not idle while the later row blocks read L1. */
+        if (i0 + SR_IB < in) {
+            const int64_t next = in - i0 - SR_IB < SR_IB ? in - i0 - SR_IB : SR_IB;
+            for (int o = 0; o < SR_O; o++)
+                for (int64_t b = 0; b < next * esize; b += 64)
+                    _mm_prefetch(wrow[o] + (i0 + SR_IB) * esize + b, _MM_HINT_T1);
+        }
+        const int first = i0 == 0;
+        for (int r = 0; r < nr; r += SR_RMAX) {
+            const int R = nr - r < SR_RMAX ? nr - r : SR_RMAX;
+            const float *x[SR_RMAX];
+            for (int k = 0; k < R; k++)
+                x[k] = j->xp + (r0 + r + k) * j->in_pad + i0;
+            if (!direct)
+                SR_FN(sr_rows)(MC_WTYPE_F32, 0, R, wbuf, buf, x, chunks, acc + r, first);
+            else if (wt == MC_WTYPE_F32)
+                SR_FN(sr_rows)(MC_WTYPE_F32, 0, R, w, buf, x, chunks, acc + r, first);
+            else if (r > 0)
+                SR_FN(sr_rows)(MC_WTYPE_F32, 0, R, wbuf, buf, x, chunks, acc + r, first);
+            else if (nr > SR_RMAX)
+                SR_FN(sr_rows)(wt, 1, R, w, buf, x, chunks, acc + r, first);
+            else
+                SR_FN(sr_rows)(wt, 0, R, w, buf, x, chunks, acc + r, first);
+        }
+    }
+    float sums[SR_GROUP * SR_O];
+    for (int r = 0; r < nr; r++)
+        for (int o = 0; o < SR_O; o++)
+            sums[r * SR_O + o] = sr_reduce(acc[r][o]);
+    mc_smallrow_store(j, r0, nr, o0, no, sums, SR_O);
+}
+
+SR_INLINE void SR_FN(sr_slice)(const mc_smallrow_job *j, const mc_wtype wt, int64_t o_begin, int64_t o_end) {
+    for (int64_t o0 = o_begin; o0 < o_end; o0 += SR_O) {
+        const int no = o_end - o0 < SR_O ? (int)(o_end - o0) : SR_O;
+        for (int64_t r0 = 0; r0 < j->rows; r0 += SR_GROUP)
+            SR_FN(sr_group)(j, wt, r0, j->rows - r0 < SR_GROUP ? (int)(j->rows - r0) : SR_GROUP, o0, no);
+    }
+}
+
+/* One instance per weight type (wt a constant in each). */
+static void SR_FN(mc_smallrow)(const mc_smallrow_job *j, int64_t o_begin, int64_t o_end) {
+    switch (j->wt) {
+    case MC_WTYPE_F32: SR_FN(sr_slice)(j, MC_WTYPE_F32, o_begin, o_end); break;
+    case MC_WTYPE_BF16: SR_FN(sr_slice)(j, MC_WTYPE_BF16, o_begin, o_end); break;
+    case MC_WTYPE_F16: SR_FN(sr_slice)(j, MC_WTYPE_F16, o_begin, o_end); break;
+    }
+}
+
+#undef SR_CAT2
+#undef SR_CAT
+#undef SR_FN
+#undef SR_INLINE
+#undef SR_PARTS
+#undef SR_IB
+#undef SR_GROUP
