@@ -38,11 +38,11 @@
 #define SR_FN(name) SR_CAT(name, SR_ISA)
 #define SR_INLINE static inline __attribute__((always_inline))
 #define SR_PARTS (16 / SR_VW)
-/* Inputs per block: SR_O rows of widened weights (8 x 256 x 4 B = 8 KiB)
- * and the group's x slice stay in L1 while every row block reads them. */
+/* Inputs per block: SR_O rows of widened weights (at most 5 x 256 x 4 B =
+ * 5 KiB) and the group's x slice stay in L1 while every row block reads them. */
 #define SR_IB 256
 /* Rows per group: the accumulators of a group live on the stack
- * (32 x SR_O x 64 B = 16 KiB for AVX-512). */
+ * (32 x SR_O x 64 B = 10 KiB for AVX-512, 8 KiB for AVX2). */
 #define SR_GROUP 32
 
 /* Weights [i0, i0 + n) of the tile's rows as float, in `buf` rows of SR_IB
@@ -132,7 +132,16 @@ SR_INLINE void SR_FN(sr_rows)(const mc_wtype wt, const int keep, int R, const vo
     case 3: SR_FN(sr_block)(wt, keep, 3, w, buf, x, chunks, acc, first); break;
 #endif
 #if SR_RMAX > 4
-#error "sr_rows: add the cases for SR_RMAX > 4"
+    case 4: SR_FN(sr_block)(wt, keep, 4, w, buf, x, chunks, acc, first); break;
+#endif
+#if SR_RMAX > 5
+    case 5: SR_FN(sr_block)(wt, keep, 5, w, buf, x, chunks, acc, first); break;
+#endif
+#if SR_RMAX > 6
+    case 6: SR_FN(sr_block)(wt, keep, 6, w, buf, x, chunks, acc, first); break;
+#endif
+#if SR_RMAX > 7
+#error "sr_rows: add the cases for SR_RMAX > 7"
 #endif
     default: break;
     }
