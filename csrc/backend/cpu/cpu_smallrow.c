@@ -192,15 +192,35 @@ static inline __attribute__((always_inline)) __m512 avx512_widen_f16(const uint1
 static inline __attribute__((always_inline)) __m512 avx512_fma(__m512 acc, __m512 w, __m512 x) {
     return _mm512_fmadd_ps(w, x, acc);
 }
-static inline __attribute__((always_inline)) float avx512_reduce(const __m512 *parts) {
-    /* mc_smallrow_reduce16's tree: lanes l + 8, then l + 4, l + 2, l + 1. */
-    const __m512 v = parts[0];
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    const __m256 b = _mm256_add_ps(lo, hi);
-    const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+
+/* The sums of n accumulators (v[k]: 16 lanes each) into out[k], 16 at a time
+ * with shuffles that pair whole accumulators at each level of the tree, so
+ * every add is the tree's own (lanes l and l + 8, then l + 4, l + 2, l + 1):
+ * mc_smallrow_reduce16's bits, in 46 instructions per 16 sums instead of 112
+ * one accumulator at a time. */
+static inline __attribute__((always_inline)) void avx512_reduce_many(const __m512 *v, int64_t n, float *out) {
+    for (int64_t k0 = 0; k0 < n; k0 += 16) {
+        __m512 a[16];
+        for (int k = 0; k < 16; k++)
+            a[k] = k0 + k < n ? v[k0 + k] : _mm512_setzero_ps();
+        __m512 p[8], q[4], t[2];
+        for (int k = 0; k < 8; k++) /* lanes 0-7: a[2k]'s b[l], 8-15: a[2k + 1]'s */
+            p[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
+                                 _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+        for (int k = 0; k < 4; k++) /* 128-bit lane g: a[4k + g]'s c[0..3] */
+            q[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0x88),
+                                 _mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0xDD));
+        for (int k = 0; k < 2; k++) /* lane g: d0, d1 of a[8k + g], then of a[8k + 4 + g] */
+            t[k] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        /* element 4g + m: the sum of a[4m + g]; put it at 4m + g */
+        const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _Alignas(64) float sums[16];
+        _mm512_store_ps(sums, _mm512_permutexvar_ps(order, s));
+        memcpy(out + k0, sums, (size_t)(n - k0 < 16 ? n - k0 : 16) * sizeof(float));
+    }
 }
 
 #define SR_ISA avx512
@@ -214,7 +234,7 @@ static inline __attribute__((always_inline)) float avx512_reduce(const __m512 *p
 #define sr_widen_bf16 avx512_widen_bf16
 #define sr_widen_f16 avx512_widen_f16
 #define sr_fma avx512_fma
-#define sr_reduce avx512_reduce
+#define sr_reduce_many avx512_reduce_many
 #include "cpu_smallrow_simd.h"
 #undef SR_ISA
 #undef SR_O
@@ -227,7 +247,7 @@ static inline __attribute__((always_inline)) float avx512_reduce(const __m512 *p
 #undef sr_widen_bf16
 #undef sr_widen_f16
 #undef sr_fma
-#undef sr_reduce
+#undef sr_reduce_many
 
 #pragma GCC pop_options
 
@@ -258,11 +278,26 @@ static inline __attribute__((always_inline)) __m256 avx2_widen_f16(const uint16_
 static inline __attribute__((always_inline)) __m256 avx2_fma(__m256 acc, __m256 w, __m256 x) {
     return _mm256_fmadd_ps(w, x, acc);
 }
-static inline __attribute__((always_inline)) float avx2_reduce(const __m256 *parts) {
-    const __m256 b = _mm256_add_ps(parts[0], parts[1]); /* lanes l and l + 8 */
-    const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+/* avx512_reduce_many for two-part accumulators (v[2k], v[2k + 1]: lanes 0-7
+ * and 8-15 of accumulator k), 8 sums at a time; mc_smallrow_reduce16's bits. */
+static inline __attribute__((always_inline)) void avx2_reduce_many(const __m256 *v, int64_t n, float *out) {
+    for (int64_t k0 = 0; k0 < n; k0 += 8) {
+        __m256 b[8], c[4], t[2];
+        for (int k = 0; k < 8; k++) /* lanes l and l + 8 */
+            b[k] = k0 + k < n ? _mm256_add_ps(v[2 * (k0 + k)], v[2 * (k0 + k) + 1]) : _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) /* 128-bit half h: b[2k + h]'s c[0..3] */
+            c[k] = _mm256_add_ps(_mm256_permute2f128_ps(b[2 * k], b[2 * k + 1], 0x20),
+                                 _mm256_permute2f128_ps(b[2 * k], b[2 * k + 1], 0x31));
+        for (int k = 0; k < 2; k++) /* half h: d0, d1 of b[4k + h], then of b[4k + 2 + h] */
+            t[k] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        /* element 4h + m: the sum of b[2m + h]; put it at 2m + h */
+        const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        _Alignas(32) float sums[8];
+        _mm256_store_ps(sums, _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        memcpy(out + k0, sums, (size_t)(n - k0 < 8 ? n - k0 : 8) * sizeof(float));
+    }
 }
 
 #define SR_ISA avx2
@@ -276,7 +311,7 @@ static inline __attribute__((always_inline)) float avx2_reduce(const __m256 *par
 #define sr_widen_bf16 avx2_widen_bf16
 #define sr_widen_f16 avx2_widen_f16
 #define sr_fma avx2_fma
-#define sr_reduce avx2_reduce
+#define sr_reduce_many avx2_reduce_many
 #include "cpu_smallrow_simd.h"
 #undef SR_ISA
 #undef SR_O
@@ -289,7 +324,7 @@ static inline __attribute__((always_inline)) float avx2_reduce(const __m256 *par
 #undef sr_widen_bf16
 #undef sr_widen_f16
 #undef sr_fma
-#undef sr_reduce
+#undef sr_reduce_many
 
 #pragma GCC pop_options
 

@@ -14,8 +14,10 @@
  *   sr_widen_bf16(p), sr_widen_f16(p)
  *                     SR_VW 16-bit weights widened exactly to float
  *   sr_fma(acc, w, x) acc + w * x per lane, one rounding (IEEE fma)
- *   sr_reduce(parts)  the sum of the 16 lanes (an array of SR_PARTS vectors)
- *                     in the fixed tree of mc_smallrow_reduce16 (cpu_smallrow.c)
+ *   sr_reduce_many(v, n, out)
+ *                     the sums of n accumulators (SR_PARTS vectors each, in a
+ *                     row) into out[0..n), each in the fixed tree of
+ *                     mc_smallrow_reduce16 (cpu_smallrow.c)
  * and gets the entry point
  *   static void mc_smallrow_<SR_ISA>(const mc_smallrow_job *j, int64_t o_begin, int64_t o_end)
  * which computes outputs [o_begin, o_end) of every row.
@@ -204,9 +206,7 @@ SR_INLINE void SR_FN(sr_group)(const mc_smallrow_job *j, const mc_wtype wt, int6
         }
     }
     float sums[SR_GROUP * SR_O];
-    for (int r = 0; r < nr; r++)
-        for (int o = 0; o < SR_O; o++)
-            sums[r * SR_O + o] = sr_reduce(acc[r][o]);
+    sr_reduce_many(&acc[0][0][0], (int64_t)nr * SR_O, sums);
     mc_smallrow_store(j, r0, nr, o0, no, sums, SR_O);
 }
 
