@@ -221,6 +221,26 @@ def test_fp16_subnormal_weights_and_bf16_extremes_widen_exactly(isa):
     np.testing.assert_array_equal(got, emulate_order(x, w, None, None, 0.0, "bf16"))
 
 
+@pytest.mark.parametrize("wtype", ("bf16", "fp16"))
+def test_x_is_rounded_to_the_weight_type_as_mc_wtype_round_does(wtype):
+    # One nonzero input per row times a weight of 1: y is x rounded to the weight type,
+    # exactly, on the small-row path (x rounded as it is packed) and on the old one
+    # (widen_linear_operands): ties to even, overflow to infinity, subnormals, NaN.
+    f32max = float(np.finfo(F32).max)
+    specials = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-11, 1 + 3 * 2**-11, f32max, -f32max,
+                         65519.0, 65520.0, 1e-45, 3e-8, 2.0**-24 * 1.5, np.inf, -np.inf, np.nan, 0.1, -7.3e12],
+                        dtype=F32)
+    x = np.zeros((len(specials), 3), F32)
+    x[:, 0] = specials
+    w = np.array([[1.0, 0.0, 0.0]], F32)
+    want = ref.round_to_wtype(specials, wtype)
+    for isa in ISAS:
+        for smallrow_max in (None, 0):
+            with np.errstate(invalid="ignore"):
+                got = run_linear(isa, x, w, wtype=wtype, threads=1, smallrow_max=smallrow_max)[:, 0]
+            np.testing.assert_array_equal(got, want, err_msg=f"{isa}, MARCACHE_SMALLROW_MAX={smallrow_max}")
+
+
 def test_the_guard_backend_runs_the_same_kernel():
     x, w, b, y = make_inputs(6, 8, 100, 70, with_y=True, strided=True)
     for isa in ISAS:

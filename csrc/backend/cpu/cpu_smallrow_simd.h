@@ -148,7 +148,10 @@ SR_INLINE void SR_FN(sr_rows)(const mc_wtype wt, const int keep, int R, const vo
     case 6: SR_FN(sr_block)(wt, keep, 6, w, buf, x, chunks, acc, first, pf); break;
 #endif
 #if SR_RMAX > 7
-#error "sr_rows: add the cases for SR_RMAX > 7"
+    case 7: SR_FN(sr_block)(wt, keep, 7, w, buf, x, chunks, acc, first, pf); break;
+#endif
+#if SR_RMAX > 8
+#error "sr_rows: add the cases for SR_RMAX > 8"
 #endif
     default: break;
     }
@@ -188,11 +191,15 @@ SR_INLINE void SR_FN(sr_group)(const mc_smallrow_job *j, const mc_wtype wt, int6
          * L2, spread over its chunks, so the memory does not idle while the
          * later row blocks read L1 (the hardware prefetchers follow demand
          * reads only). A burst of prefetches at the block's start stalled
-         * on the miss queue instead (10% of the samples of an 8-row head). */
-        const char *next[SR_O];
-        for (int o = 0; o < SR_O; o++)
-            next[o] = wrow[o] + (i0 + SR_IB) * esize;
-        const char *const *pf = i0 + SR_IB < in ? next : NULL;
+         * on the miss queue instead (10% of the samples of an 8-row head).
+         * At the tile's last block the next tile's first is prefetched
+         * (W's last row where there is none). */
+        const char *next[SR_O]; /* after the tile's last block: the next tile's first */
+        for (int o = 0; o < SR_O; o++) {
+            const int64_t row = o0 + SR_O + o < j->out ? o0 + SR_O + o : j->out - 1;
+            next[o] = i0 + SR_IB < in ? wrow[o] + (i0 + SR_IB) * esize : (const char *)j->w + row * in * esize;
+        }
+        const char *const *pf = next;
         const int first = i0 == 0;
         for (int r = 0; r < nr; r += SR_RMAX) {
             const int R = nr - r < SR_RMAX ? nr - r : SR_RMAX;
