@@ -22,7 +22,6 @@ What is held:
   - bad MARCACHE_CPU_ISA / MARCACHE_SMALLROW_MAX values are a ValueError naming the
     variable, and build_info() names the ISA.
 """
-import os
 from contextlib import contextmanager
 
 import numpy as np
@@ -43,20 +42,13 @@ BOUND_16BIT = {"bf16": 1e-2, "fp16": 2e-3}  # test_ops.py's bounds of 16-bit ope
 @contextmanager
 def env(**values):
     """MARCACHE_* variables set (None: unset) while the block runs."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
+    with pytest.MonkeyPatch.context() as mp:
         for k, v in values.items():
             if v is None:
-                os.environ.pop(k, None)
+                mp.delenv(k, raising=False)
             else:
-                os.environ[k] = str(v)
+                mp.setenv(k, str(v))
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_linear(isa, x, w, bias=None, y=None, act="none", beta=0.0, wtype="fp32", threads=0,

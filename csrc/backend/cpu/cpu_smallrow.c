@@ -168,6 +168,38 @@ static void mc_smallrow_plain(const mc_smallrow_job *j, int64_t o_begin, int64_t
 
 #if MC_SMALLROW_X86
 
+/* The vector operations of one instruction set that cpu_smallrow_simd.h
+ * uses, <isa>_zero / _load / _store / _fma / _widen_bf16 / _widen_f16, from
+ * its intrinsics (prefix pre: _mm512 or _mm256; bits: the vector's width;
+ * half: the integer vector of half as many bits and its unaligned load). The
+ * widenings are exact: bf16 bits are the high half of the float's (widen and
+ * shift); F16C's conversion keeps fp16 subnormals. */
+#define SR_VECTOR_OPS(isa, pre, bits, vec, half, half_load)                                                 \
+    static inline __attribute__((always_inline)) vec isa##_zero(void) { return pre##_setzero_ps(); }       \
+    static inline __attribute__((always_inline)) vec isa##_load(const float *p) { return pre##_loadu_ps(p); } \
+    static inline __attribute__((always_inline)) void isa##_store(float *p, vec v) { pre##_storeu_ps(p, v); } \
+    static inline __attribute__((always_inline)) vec isa##_fma(vec acc, vec w, vec x) {                    \
+        return pre##_fmadd_ps(w, x, acc);                                                                    \
+    }                                                                                                        \
+    static inline __attribute__((always_inline)) vec isa##_widen_bf16(const uint16_t *p) {                \
+        return pre##_castsi##bits##_ps(pre##_slli_epi32(pre##_cvtepu16_epi32(half_load((const half *)p)), 16)); \
+    }                                                                                                        \
+    static inline __attribute__((always_inline)) vec isa##_widen_f16(const uint16_t *p) {                 \
+        return pre##_cvtph_ps(half_load((const half *)p));                                                  \
+    }
+
+/* The tree's last two levels on 128-bit lanes, shared by both reductions:
+ * c[0..3] holds four accumulators' c values per 128-bit lane; s gets, in
+ * lane g, element m: d0 + d1 (d0 = c0 + c2, d1 = c1 + c3) of the
+ * accumulator in lane g of c[m]. */
+#define SR_REDUCE_D_S(pre, vec, c, s)                                                                    \
+    vec sr_t_[2];                                                                                        \
+    for (int k = 0; k < 2; k++)                                                                          \
+        sr_t_[k] = pre##_add_ps(pre##_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),       \
+                                pre##_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));      \
+    const vec s = pre##_add_ps(pre##_shuffle_ps(sr_t_[0], sr_t_[1], _MM_SHUFFLE(2, 0, 2, 0)),           \
+                               pre##_shuffle_ps(sr_t_[0], sr_t_[1], _MM_SHUFFLE(3, 1, 3, 1)))
+
 /* ---- AVX-512: one __m512 holds the 16 lanes. Tiles of 5 outputs x 5 rows:
  * 25 accumulators, 5 weight vectors and one x vector, 31 of the 32
  * registers, so GCC keeps the weights in registers (with 8 x 3 it folds a
@@ -178,20 +210,7 @@ static void mc_smallrow_plain(const mc_smallrow_job *j, int64_t o_begin, int64_t
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 
-static inline __attribute__((always_inline)) __m512 avx512_zero(void) { return _mm512_setzero_ps(); }
-static inline __attribute__((always_inline)) __m512 avx512_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline __attribute__((always_inline)) void avx512_store(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __attribute__((always_inline)) __m512 avx512_widen_bf16(const uint16_t *p) {
-    /* bf16 bits are the high half of the float's: widen and shift, exact. */
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-static inline __attribute__((always_inline)) __m512 avx512_widen_f16(const uint16_t *p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); /* exact, subnormals included */
-}
-static inline __attribute__((always_inline)) __m512 avx512_fma(__m512 acc, __m512 w, __m512 x) {
-    return _mm512_fmadd_ps(w, x, acc);
-}
+SR_VECTOR_OPS(avx512, _mm512, 512, __m512, __m256i, _mm256_loadu_si256)
 
 /* The sums of n accumulators (v[k]: 16 lanes each) into out[k], 16 at a time
  * with shuffles that pair whole accumulators at each level of the tree, so
@@ -203,19 +222,15 @@ static inline __attribute__((always_inline)) void avx512_reduce_many(const __m51
         __m512 a[16];
         for (int k = 0; k < 16; k++)
             a[k] = k0 + k < n ? v[k0 + k] : _mm512_setzero_ps();
-        __m512 p[8], q[4], t[2];
+        __m512 p[8], q[4];
         for (int k = 0; k < 8; k++) /* lanes 0-7: a[2k]'s b[l], 8-15: a[2k + 1]'s */
             p[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
                                  _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
         for (int k = 0; k < 4; k++) /* 128-bit lane g: a[4k + g]'s c[0..3] */
             q[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0x88),
                                  _mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0xDD));
-        for (int k = 0; k < 2; k++) /* lane g: d0, d1 of a[8k + g], then of a[8k + 4 + g] */
-            t[k] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(q[2 * k], q[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        SR_REDUCE_D_S(_mm512, __m512, q, s);
         /* element 4g + m: the sum of a[4m + g]; put it at 4m + g */
-        const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
         const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         _Alignas(64) float sums[16];
         _mm512_store_ps(sums, _mm512_permutexvar_ps(order, s));
@@ -227,27 +242,8 @@ static inline __attribute__((always_inline)) void avx512_reduce_many(const __m51
 #define SR_O 5
 #define SR_RMAX 5
 #define SR_VW 16
-#define sr_vec __m512
-#define sr_zero avx512_zero
-#define sr_load avx512_load
-#define sr_store avx512_store
-#define sr_widen_bf16 avx512_widen_bf16
-#define sr_widen_f16 avx512_widen_f16
-#define sr_fma avx512_fma
-#define sr_reduce_many avx512_reduce_many
+#define SR_VEC __m512
 #include "cpu_smallrow_simd.h"
-#undef SR_ISA
-#undef SR_O
-#undef SR_RMAX
-#undef SR_VW
-#undef sr_vec
-#undef sr_zero
-#undef sr_load
-#undef sr_store
-#undef sr_widen_bf16
-#undef sr_widen_f16
-#undef sr_fma
-#undef sr_reduce_many
 
 #pragma GCC pop_options
 
@@ -265,35 +261,20 @@ static inline __attribute__((always_inline)) void avx512_reduce_many(const __m51
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-static inline __attribute__((always_inline)) __m256 avx2_zero(void) { return _mm256_setzero_ps(); }
-static inline __attribute__((always_inline)) __m256 avx2_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline __attribute__((always_inline)) void avx2_store(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
-static inline __attribute__((always_inline)) __m256 avx2_widen_bf16(const uint16_t *p) {
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-static inline __attribute__((always_inline)) __m256 avx2_widen_f16(const uint16_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-static inline __attribute__((always_inline)) __m256 avx2_fma(__m256 acc, __m256 w, __m256 x) {
-    return _mm256_fmadd_ps(w, x, acc);
-}
+SR_VECTOR_OPS(avx2, _mm256, 256, __m256, __m128i, _mm_loadu_si128)
+
 /* avx512_reduce_many for two-part accumulators (v[2k], v[2k + 1]: lanes 0-7
  * and 8-15 of accumulator k), 8 sums at a time; mc_smallrow_reduce16's bits. */
 static inline __attribute__((always_inline)) void avx2_reduce_many(const __m256 *v, int64_t n, float *out) {
     for (int64_t k0 = 0; k0 < n; k0 += 8) {
-        __m256 b[8], c[4], t[2];
+        __m256 b[8], c[4];
         for (int k = 0; k < 8; k++) /* lanes l and l + 8 */
             b[k] = k0 + k < n ? _mm256_add_ps(v[2 * (k0 + k)], v[2 * (k0 + k) + 1]) : _mm256_setzero_ps();
         for (int k = 0; k < 4; k++) /* 128-bit half h: b[2k + h]'s c[0..3] */
             c[k] = _mm256_add_ps(_mm256_permute2f128_ps(b[2 * k], b[2 * k + 1], 0x20),
                                  _mm256_permute2f128_ps(b[2 * k], b[2 * k + 1], 0x31));
-        for (int k = 0; k < 2; k++) /* half h: d0, d1 of b[4k + h], then of b[4k + 2 + h] */
-            t[k] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm256_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        SR_REDUCE_D_S(_mm256, __m256, c, s);
         /* element 4h + m: the sum of b[2m + h]; put it at 2m + h */
-        const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
         _Alignas(32) float sums[8];
         _mm256_store_ps(sums, _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         memcpy(out + k0, sums, (size_t)(n - k0 < 8 ? n - k0 : 8) * sizeof(float));
@@ -304,27 +285,8 @@ static inline __attribute__((always_inline)) void avx2_reduce_many(const __m256 
 #define SR_O 4
 #define SR_RMAX 1
 #define SR_VW 8
-#define sr_vec __m256
-#define sr_zero avx2_zero
-#define sr_load avx2_load
-#define sr_store avx2_store
-#define sr_widen_bf16 avx2_widen_bf16
-#define sr_widen_f16 avx2_widen_f16
-#define sr_fma avx2_fma
-#define sr_reduce_many avx2_reduce_many
+#define SR_VEC __m256
 #include "cpu_smallrow_simd.h"
-#undef SR_ISA
-#undef SR_O
-#undef SR_RMAX
-#undef SR_VW
-#undef sr_vec
-#undef sr_zero
-#undef sr_load
-#undef sr_store
-#undef sr_widen_bf16
-#undef sr_widen_f16
-#undef sr_fma
-#undef sr_reduce_many
 
 #pragma GCC pop_options
 

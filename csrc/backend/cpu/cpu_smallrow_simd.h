@@ -2,32 +2,36 @@
  * included once per instruction set, inside that set's `#pragma GCC target`.
  *
  * The includer defines
- *   SR_ISA            the suffix of the entry point: mc_smallrow_<SR_ISA>
+ *   SR_ISA            the instruction set's prefix (avx512, avx2)
  *   SR_O              outputs per tile (W rows streamed side by side)
- *   SR_RMAX           rows per register block at most (x rows sharing each
- *                     W vector; SR_O * SR_RMAX * SR_PARTS accumulators)
- *   sr_vec, SR_VW     a vector type of SR_VW float lanes (16: __m512, 8: __m256);
- *                     the 16 lanes of the order are SR_PARTS = 16 / SR_VW vectors
- *   sr_zero()         all lanes +0
- *   sr_load(p)        SR_VW floats (unaligned)
- *   sr_store(p, v)    SR_VW floats (unaligned)
- *   sr_widen_bf16(p), sr_widen_f16(p)
+ *   SR_RMAX           rows per register block at most, up to 5 (x rows sharing
+ *                     each W vector; SR_O * SR_RMAX * SR_PARTS accumulators)
+ *   SR_VW, SR_VEC     SR_VW float lanes per vector of type SR_VEC (16: __m512,
+ *                     8: __m256); the 16 lanes of the order are SR_PARTS =
+ *                     16 / SR_VW vectors
+ * and these functions, named <SR_ISA>_<name>:
+ *   zero()            all lanes +0
+ *   load(p)           SR_VW floats (unaligned)
+ *   store(p, v)       SR_VW floats (unaligned)
+ *   widen_bf16(p), widen_f16(p)
  *                     SR_VW 16-bit weights widened exactly to float
- *   sr_fma(acc, w, x) acc + w * x per lane, one rounding (IEEE fma)
- *   sr_reduce_many(v, n, out)
+ *   fma(acc, w, x)    acc + w * x per lane, one rounding (IEEE fma)
+ *   reduce_many(v, n, out)
  *                     the sums of n accumulators (SR_PARTS vectors each, in a
  *                     row) into out[0..n), each in the fixed tree of
  *                     mc_smallrow_reduce16 (cpu_smallrow.c)
  * and gets the entry point
  *   static void mc_smallrow_<SR_ISA>(const mc_smallrow_job *j, int64_t o_begin, int64_t o_end)
- * which computes outputs [o_begin, o_end) of every row.
+ * which computes outputs [o_begin, o_end) of every row. The SR_ macros are
+ * undefined again at the end.
  *
  * The loop: for each tile of SR_O outputs, for each group of up to
  * SR_GROUP rows, the inputs in blocks of SR_IB. A block's SR_O weight rows
- * are read from memory once: fp32 ones in place, 16-bit ones widened into an
- * L1 buffer (so the widening is paid once, not once per row block); then every
- * register block of SR_RMAX rows runs over them, its accumulators loaded
- * from and stored to the group's array between input blocks.
+ * are read from memory once, by the first register block of SR_RMAX rows
+ * (16-bit ones widened in registers and kept widened in an L1 buffer, so the
+ * widening is paid once, not once per row block); the later register blocks
+ * read them from L1. Each register block's accumulators are loaded from and
+ * stored to the group's array between input blocks.
  *
  * The order: lane l of output (r, o) accumulates the products of the inputs i
  * with i % 16 == l in increasing i, with fma, exactly as the plain reference
@@ -39,6 +43,14 @@
 #define SR_CAT(a, b) SR_CAT2(a, b)
 #define SR_FN(name) SR_CAT(name, SR_ISA)
 #define SR_INLINE static inline __attribute__((always_inline))
+#define sr_vec SR_VEC
+#define sr_zero SR_CAT(SR_ISA, zero)
+#define sr_load SR_CAT(SR_ISA, load)
+#define sr_store SR_CAT(SR_ISA, store)
+#define sr_widen_bf16 SR_CAT(SR_ISA, widen_bf16)
+#define sr_widen_f16 SR_CAT(SR_ISA, widen_f16)
+#define sr_fma SR_CAT(SR_ISA, fma)
+#define sr_reduce_many SR_CAT(SR_ISA, reduce_many)
 #define SR_PARTS (16 / SR_VW)
 /* Inputs per block: SR_O rows of widened weights (at most 5 x 256 x 4 B =
  * 5 KiB) and the group's x slice stay in L1 while every row block reads them. */
@@ -127,34 +139,30 @@ SR_INLINE void SR_FN(sr_block)(const mc_wtype wt, const int keep, const int R, c
 SR_INLINE void SR_FN(sr_rows)(const mc_wtype wt, const int keep, int R, const void *const *w, float (*buf)[SR_IB],
                               const float *const *x, int64_t chunks, sr_vec (*acc)[SR_O][SR_PARTS], int first,
                               const char *const *pf) {
+#define SR_ROWS_CASE(n)                                                                      \
+    case n:                                                                                  \
+        SR_FN(sr_block)(wt, keep, n, w, buf, x, chunks, acc, first, pf);                     \
+        break;
     switch (R) {
-    case SR_RMAX: SR_FN(sr_block)(wt, keep, SR_RMAX, w, buf, x, chunks, acc, first, pf); break;
+        SR_ROWS_CASE(SR_RMAX)
 #if SR_RMAX > 1
-    case 1: SR_FN(sr_block)(wt, keep, 1, w, buf, x, chunks, acc, first, pf); break;
+        SR_ROWS_CASE(1)
 #endif
 #if SR_RMAX > 2
-    case 2: SR_FN(sr_block)(wt, keep, 2, w, buf, x, chunks, acc, first, pf); break;
+        SR_ROWS_CASE(2)
 #endif
 #if SR_RMAX > 3
-    case 3: SR_FN(sr_block)(wt, keep, 3, w, buf, x, chunks, acc, first, pf); break;
+        SR_ROWS_CASE(3)
 #endif
 #if SR_RMAX > 4
-    case 4: SR_FN(sr_block)(wt, keep, 4, w, buf, x, chunks, acc, first, pf); break;
+        SR_ROWS_CASE(4)
 #endif
 #if SR_RMAX > 5
-    case 5: SR_FN(sr_block)(wt, keep, 5, w, buf, x, chunks, acc, first, pf); break;
-#endif
-#if SR_RMAX > 6
-    case 6: SR_FN(sr_block)(wt, keep, 6, w, buf, x, chunks, acc, first, pf); break;
-#endif
-#if SR_RMAX > 7
-    case 7: SR_FN(sr_block)(wt, keep, 7, w, buf, x, chunks, acc, first, pf); break;
-#endif
-#if SR_RMAX > 8
-#error "sr_rows: add the cases for SR_RMAX > 8"
+#error "sr_rows: add the cases for SR_RMAX > 5"
 #endif
     default: break;
     }
+#undef SR_ROWS_CASE
 }
 
 /* Rows [r0, r0 + nr) (nr <= SR_GROUP) x outputs [o0, o0 + no) (no <=
@@ -241,6 +249,19 @@ static void SR_FN(mc_smallrow)(const mc_smallrow_job *j, int64_t o_begin, int64_
     }
 }
 
+#undef sr_vec
+#undef sr_zero
+#undef sr_load
+#undef sr_store
+#undef sr_widen_bf16
+#undef sr_widen_f16
+#undef sr_fma
+#undef sr_reduce_many
+#undef SR_ISA
+#undef SR_O
+#undef SR_RMAX
+#undef SR_VW
+#undef SR_VEC
 #undef SR_CAT2
 #undef SR_CAT
 #undef SR_FN
