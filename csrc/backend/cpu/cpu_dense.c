@@ -97,10 +97,15 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         /* Few rows: bound by reading W (cpu_smallrow.c). x is copied once
          * (rounded to a 16-bit weight type, padded to whole vectors). */
         const int64_t in_pad = (in + 15) / 16 * 16;
-        float *xp = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in_pad), err);
-        if (xp == NULL && in_pad > 0)
-            return err->status;
-        mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, in_pad, xp);
+        static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
+        const float *xp = &no_inputs;
+        if (in_pad > 0) {
+            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in_pad), err);
+            if (packed == NULL)
+                return err->status;
+            mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, in_pad, packed);
+            xp = packed;
+        }
         const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .in_pad = in_pad, .rows = rows, .in = in,
                                      .out = out, .w = w, .bias = bias, .act = act, .beta = beta, .y = y, .ldy = ldy};
         mc_cpu_smallrow_run(mc_cpu_isa_of(be), mc_cpu_threads(be), &job);
