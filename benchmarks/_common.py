@@ -22,6 +22,35 @@ def sgemm_rate(shapes, repeats):
     return max(rates.values()), rates
 
 
+def numpy_blas_threads():
+    """Call before NumPy is imported: its own OpenBLAS (not marcache's) reads its thread
+    count at import. `--threads=N` on the command line sets it, else every core; the
+    sgemv bandwidth (sgemv_bandwidth) is measured with that many threads."""
+    import sys
+
+    arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--threads=")), None)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", arg or str(os.cpu_count()))
+    return int(os.environ["OPENBLAS_NUM_THREADS"])
+
+
+def sgemv_bandwidth(nbytes, repeats):
+    """Best GB/s of y = A x over an fp32 A of `nbytes` (NumPy's OpenBLAS): the rate this
+    machine streams weights at, what a batch-1 diffusion head is bound by (issue 23)."""
+    import time
+
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((max(nbytes // 4 // 1024, 1), 1024), dtype=np.float32)
+    x = np.ones(1024, np.float32)
+    a @ x
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ x
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
 def print_machine(sgemm_by_shape):
     """The machine, its BLAS and the sgemm rates by shape, as the results files quote them."""
     import marcache as mc

@@ -1,4 +1,4 @@
-"""CPU benchmark of the whole MAR generate loop (issue: foundation).
+"""CPU benchmark of the whole MAR generate loop (issue: foundation; the floor: issue 23).
 
 MAR-B configuration with random weights in the official layout, 64 AR steps,
 CFG 2.9 (linear schedule), batch 1 and 8. Reports seconds per image and the
@@ -6,19 +6,31 @@ achieved GFLOP/s (exact FLOPs from marcache.flops, the same count as the
 engine's telemetry) next to the sgemm rate measured in the same run on the
 same machine with the same thread pool.
 
+The floor of each configuration, beside its measured time: the transformer's FLOPs
+(encoder + decoder) at the measured sgemm rate, plus the head at its roofline, the
+larger of its FLOPs at the sgemm rate and the bytes of head weights it streams
+(marcache.flops' head_params_read x the weight type's size: each diffusion evaluation
+reads its Linear weights once, whatever its row count) at the sgemv bandwidth measured
+in the same run (NumPy's OpenBLAS over the head's bytes). At batch 1 the head is
+bandwidth-bound; "x floor" is the measured time over the floor.
+
     python benchmarks/bench_cpu.py                  # the full table (~25 min on 2 cores)
     python benchmarks/bench_cpu.py --steps 8 --batches 1 2   # a quick look
+    python benchmarks/bench_cpu.py --dtypes fp32 bf16       # bf16 Linear weights beside fp32
 """
 import argparse
 import os
 import sys
 import time
 
-import numpy as np
+from _common import (numpy_blas_threads, print_machine, print_run_header, print_table, sgemm_rate, sgemv_bandwidth,
+                     write_json)
 
-import marcache as mc
+numpy_blas_threads()  # before NumPy's import: its OpenBLAS runs the sgemv
 
-from _common import print_machine, print_run_header, print_table, sgemm_rate, write_json
+import numpy as np  # noqa: E402
+
+import marcache as mc  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -40,11 +52,26 @@ def write_random_mar_base(path):
 SGEMM_SHAPES = [(2048, 2048, 2048), (5120, 3072, 768), (5120, 768, 3072), (64, 3072, 1024)]
 
 
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def floor_seconds(report, dtype, sgemm_gflops, sgemv_gbs):
+    """(transformer, head) seconds of a run at this machine's limits: the transformer's
+    FLOPs at the sgemm rate; the head at the larger of its FLOPs at the sgemm rate and its
+    weight bytes at the sgemv bandwidth."""
+    transformer = (report.encoder + report.decoder) / (sgemm_gflops * 1e9)
+    head = max(report.head / (sgemm_gflops * 1e9),
+               report.head_params_read * WEIGHT_BYTES[dtype] / (sgemv_gbs * 1e9))
+    return transformer, head
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--cfg", type=float, default=2.9)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(WEIGHT_BYTES),
+                        help="Linear weight types to run (marcache.load's dtype)")
     parser.add_argument("--weights", default=os.path.join(HERE, ".cache", "mar_base_random.safetensors"))
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -53,30 +80,54 @@ def main():
         os.makedirs(os.path.dirname(args.weights), exist_ok=True)
         print(f"writing random MAR-B weights to {args.weights} ...", flush=True)
         write_random_mar_base(args.weights)
-    model = mc.load(args.weights)
+    models = {dtype: mc.load(args.weights, dtype=dtype) for dtype in args.dtypes}
     peak_before, shapes = sgemm_rate(SGEMM_SHAPES, 5)
+    # The head's fp32 weights streamed by one diffusion evaluation of MAR-B (134 MB; one AR
+    # step reads them once per diffusion step, and cond_embed once).
+    model0 = models[args.dtypes[0]]
+    head_bytes = 4 * mc.flops(model0, steps=1).head_params_read / model0.config.get("diffusion_steps", 100)
+    sgemv_before = sgemv_bandwidth(int(head_bytes), 5)
     print_machine(shapes)
+    info = mc.build_info()
+    print(f"small-row linear: {info['cpu_isa']}, rows <= {info['smallrow_max']}; sgemv over the head's "
+          f"{head_bytes / 1e6:.0f} MB: {sgemv_before:.1f} GB/s; load average {os.getloadavg()[0]:.2f}", flush=True)
 
     rows = []
-    for batch in args.batches:
-        labels = [(207 + 31 * i) % 1000 for i in range(batch)]
-        expected = mc.flops(model, steps=args.steps, cfg=args.cfg, batch=batch)
-        t0 = time.perf_counter()
-        _, info = model.generate_tokens(labels=labels, steps=args.steps, cfg=args.cfg, seed=0, return_info=True)
-        seconds = time.perf_counter() - t0
-        assert abs(info.flops - expected.total) <= 1e-9 * expected.total, (info.flops, expected.total)
-        head_s = sum(s["seconds"] for s in info.steps)
-        rows.append(dict(batch=batch, seconds=seconds, seconds_per_image=seconds / batch,
-                         tflops=info.flops / 1e12, gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s))
-        print(f"batch {batch}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s", flush=True)
+    for dtype in args.dtypes:
+        model = models[dtype]
+        for batch in args.batches:
+            labels = [(207 + 31 * i) % 1000 for i in range(batch)]
+            expected = mc.flops(model, steps=args.steps, cfg=args.cfg, batch=batch)
+            t0 = time.perf_counter()
+            _, info = model.generate_tokens(labels=labels, steps=args.steps, cfg=args.cfg, seed=0, return_info=True)
+            seconds = time.perf_counter() - t0
+            assert abs(info.flops - expected.total) <= 1e-9 * expected.total, (info.flops, expected.total)
+            head_s = sum(s["seconds"] for s in info.steps)
+            rows.append(dict(dtype=dtype, batch=batch, seconds=seconds, seconds_per_image=seconds / batch,
+                             tflops=info.flops / 1e12, gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s,
+                             report=expected))
+            print(f"{dtype} batch {batch}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s, "
+                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
     peak_after, _ = sgemm_rate(SGEMM_SHAPES, 5)
-    peak = max(peak_before, peak_after)
-    print_run_header(f"MAR-B (random weights), {args.steps} steps, cfg {args.cfg} linear, CPU fp32", peak_before,
+    sgemv_after = sgemv_bandwidth(int(head_bytes), 5)
+    peak, sgemv = max(peak_before, peak_after), max(sgemv_before, sgemv_after)
+    print_run_header(f"MAR-B (random weights), {args.steps} steps, cfg {args.cfg} linear, CPU", peak_before,
                      peak_after)
-    print_table(["batch", "s/image", "TFLOP/image", "achieved GFLOP/s", "% of sgemm"],
-                [[r["batch"], f"{r['seconds_per_image']:.2f}", f"{r['tflops'] / r['batch']:.3f}",
-                  f"{r['gflops_per_s']:.1f}", f"{100 * r['gflops_per_s'] / peak:.0f}%"] for r in rows])
-    write_json(args.json, sgemm_peak=peak, sgemm_shapes=shapes, rows=rows, steps=args.steps, cfg=args.cfg)
+    print(f"measured sgemv bandwidth: {sgemv:.1f} GB/s (before {sgemv_before:.1f}, after {sgemv_after:.1f}); "
+          f"load average {os.getloadavg()[0]:.2f}")
+    table = []
+    for r in rows:
+        transformer_s, head_s = floor_seconds(r.pop("report"), r["dtype"], peak, sgemv)
+        r.update(floor_transformer_seconds=transformer_s, floor_head_seconds=head_s,
+                 floor_seconds=transformer_s + head_s)
+        table.append([r["dtype"], r["batch"], f"{r['seconds_per_image']:.2f}", f"{r['tflops'] / r['batch']:.3f}",
+                      f"{r['gflops_per_s']:.1f}", f"{100 * r['gflops_per_s'] / peak:.0f}%",
+                      f"{r['floor_seconds'] / r['batch']:.2f} ({transformer_s / r['batch']:.2f} + "
+                      f"{head_s / r['batch']:.2f})", f"{r['seconds'] / r['floor_seconds']:.2f}x"])
+    print_table(["weights", "batch", "s/image", "TFLOP/image", "achieved GFLOP/s", "% of sgemm",
+                 "floor s/image (transformer + head)", "x floor"], table)
+    write_json(args.json, sgemm_peak=peak, sgemm_shapes=shapes, sgemv_gb_per_s=sgemv, rows=rows, steps=args.steps,
+               cfg=args.cfg)
 
 
 if __name__ == "__main__":

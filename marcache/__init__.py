@@ -57,7 +57,11 @@ def build_info():
     and CPPFLAGS first, as on the compiler's command line, then marcache's, paths left
     out); ``cflags_env``: the environment's CFLAGS and CPPFLAGS as given; ``sanitize``:
     the sanitizers built in ("address,undefined" in CI's sanitizer lane, else "");
-    ``werror``: whether warnings were errors (MARCACHE_WERROR=1)."""
+    ``werror``: whether warnings were errors (MARCACHE_WERROR=1); ``cpu_isa``: the
+    instruction set of the CPU backend's small-row linear kernels (avx512, avx2 or plain:
+    the best this CPU has, or MARCACHE_CPU_ISA), ``cpu_isa_supported`` the sets this CPU
+    runs, ``smallrow_max`` the most rows a linear sends to them (MARCACHE_SMALLROW_MAX;
+    0: off)."""
     return dict(_C.build_info())
 
 

@@ -38,12 +38,19 @@ MAR_CONFIGS = {
 
 @dataclass
 class FlopReport:
-    """FLOPs of one generate call (all images of the batch)."""
+    """FLOPs of one generate call (all images of the batch).
+
+    head_params_read: the weights of the head's Linear layers that the call streams, as a
+    count of parameters (cond_embed once per AR step, then each diffusion evaluation's
+    layers once, whatever its row count): times the weight type's size, the bytes the
+    head reads, which bound it at small batches (issue 23). The engine's convention only
+    (0 for "reference")."""
     total: float
     encoder: float
     decoder: float
     head: float
     per_step: List[float] = field(default_factory=list)
+    head_params_read: float = 0.0
 
     @property
     def tflops(self):
@@ -164,7 +171,7 @@ def _mar_flops(model_or_name, steps, cfg, cache, batch, diffusion_steps, convent
     cfg_on = cfg != 1.0
     head_cache = cache.head_cache_config(cfg_on)
     S = c["seq_len"]
-    enc = dec = head = 0.0
+    enc = dec = head = head_params = 0.0
     per_step = []
     predicted_before = 0
     for step, (masked_before, _mask_len, predicted) in enumerate(_schedule.plan(S, steps)):
@@ -180,8 +187,12 @@ def _mar_flops(model_or_name, steps, cfg, cache, batch, diffusion_steps, convent
         step_diffusion = cache.step_diffusion_steps(ctx, diffusion_steps) if hasattr(
             cache, "step_diffusion_steps") else diffusion_steps
         h = _mar.head(c, batch * predicted, step_cfg_on, step_diffusion, head_cache, reference)
+        # Every head FLOP term is 2 x rows x a weight's size, so one unguided row's
+        # FLOPs / 2 count the weights each evaluation reads (once, for all its rows).
+        if not reference:
+            head_params += _mar.head(c, 1, False, step_diffusion, head_cache) / 2
         enc, dec, head = enc + e, dec + d, head + h
         per_step.append(float(e + d + h))
         predicted_before = predicted
     return FlopReport(total=float(enc + dec + head), encoder=float(enc), decoder=float(dec), head=float(head),
-                      per_step=per_step)
+                      per_step=per_step, head_params_read=float(head_params))

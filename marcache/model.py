@@ -403,8 +403,9 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
       does: Linear inputs, q, k, v and the attention probabilities are rounded to the 16-bit
       type and products are summed in float32 (attention where the head dim is a multiple of
       16); norms, softmax, the head's DDPM update and the VAE stay float32. On the GPU this
-      uses the tensor cores; on the CPU it is an emulation (slower than fp32) that shows the
-      numeric effect.
+      uses the tensor cores. On the CPU a Linear of at most 32 rows (the diffusion head at
+      small batches) streams the 16-bit weights and widens them in registers, faster than
+      fp32; larger ones (the transformer) widen first and are slower than fp32.
     heads: MAR only: attention heads, for non-standard widths (the released 768/1024/1280
       configs are known; VAR reads its heads from the checkpoint shapes).
     diffusion_steps: MAR only: the head's DDPM steps (default 100).

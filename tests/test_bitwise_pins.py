@@ -3,13 +3,21 @@
 
 Each pin is the SHA-256 of the exact float32 bytes of `generate_tokens` for one
 (model, policy, seed). Float32 bits depend on the BLAS kernel and vector width, so there
-is one table per platform: SkylakeX/AVX-512 produced by the code at commit 896450c (the
-last commit before the seams work), Haswell produced by 55fd814 (which matched the
-SkylakeX table in CI), each with `PYTHONPATH=<checkout> python tests/test_bitwise_pins.py`,
-which prints it; the test recomputes every entry on the CPU and, in one subprocess, on the guard
-backend. A pin is not a reference (the float64 references hold the engine to the spec):
-it says only "unchanged". Should a deliberate numerical change ever move a pin, the
-commit that regenerates the table must say why.
+is one table per platform, each printed by `PYTHONPATH=<checkout> python
+tests/test_bitwise_pins.py`; the test recomputes every entry on the CPU and, in one
+subprocess, on the guard backend. A pin is not a reference (the float64 references hold
+the engine to the spec): it says only "unchanged". Should a deliberate numerical change
+ever move a pin, the commit that regenerates the table must say why.
+
+History: first taken at 896450c (SkylakeX, the last commit before the seams work) and
+55fd814 (Haswell). Regenerated for issue 23: `linear` with at most 32 rows runs the
+small-row kernel (csrc/backend/cpu/cpu_smallrow.c) instead of OpenBLAS, another
+summation order (the same on every ISA, so MARCACHE_CPU_ISA does not change a pin); with
+MARCACHE_SMALLROW_MAX=0 the old tables still held. The SkylakeX table was taken on the
+project's AVX-512 EPYC. No AVX2-only machine was at hand for the Haswell table, so it was
+taken on the same EPYC as an AVX2 machine would build and run: MARCACHE_MARCH=haswell,
+OPENBLAS_CORETYPE=Haswell, MARCACHE_CPU_ISA=avx2. That emulation reproduced the previous
+Haswell table exactly from the code before the change (d353caa).
 
 Models: the amplified tiny model of the cache reference tests (depth 5, so LazyMAR's
 select layer 3 and MARche's full layers 2 leave layers to prune, seq 256, 100 diffusion
@@ -48,9 +56,8 @@ LABELS = {"tiny": [1, 400], "digits": [3, 8]}
 # targets (-march=native), so pins hold only on the platform that took them: the project's
 # machines (AMD EPYC, OpenBLAS's SkylakeX kernels, AVX-512). Elsewhere the test skips and
 # says why; the float64 reference tests still hold the engine there.
-# The table of each platform: SkylakeX/AVX-512 taken at 896450c (before the seams work);
-# Haswell without AVX-512 taken with the build of 55fd814 (the seams' first landing, which
-# matched the SkylakeX table in CI) on the development machine of 2026-11-25.
+# The table of each platform (SkylakeX/AVX-512, Haswell without AVX-512): how each was
+# taken is in the module's docstring.
 PINNED_PLATFORMS = (("SkylakeX", True), ("Haswell", False))
 
 
@@ -74,73 +81,73 @@ def _require_pinned_platform():
     return PINS_BY_PLATFORM[key]
 
 SKYLAKEX_PINS = {
-    "tiny/nocache/0": "1e45e468336e44291a31f25b2bae833ccc586e811e4a736cd3b10ff1a7fd0f68",
-    "tiny/nocache/7": "33152c74d02ca09c5a856958bbc4a66b8f71e2e21bb5db6f8be9821146e7c75f",
-    "tiny/lazymar/0": "79634fcec18b9a7f7ea7113666661dd0635fbb9e44ccae1e829bccfb7bced56f",
-    "tiny/lazymar/7": "007ef4ac2ff2c087ebf6331789ebe2bdbe7d1217e9863757a5abde5d2b956ac8",
-    "tiny/lazymar-token/0": "16c6c58d87e0d0664cf34efd9c1e72793a355fc6ffbb0cc6c731089fedc44813",
-    "tiny/lazymar-token/7": "e7f46d297d52e2142d2be07797fe8d1a60df9d84e4374ae87374482d31d6251f",
-    "tiny/lazymar-cond/0": "7318b4ef5fa8ee6bb7b3500a53a92aafe4e1777989f5f5e35112da19da0d52d0",
-    "tiny/lazymar-cond/7": "4a41d37cc42254894602c7862bce993a1e6c974b34aa7c363474962266b8c2dd",
-    "tiny/lazymar-head/0": "0d6fb5fdfdce924672cbe0482e7ca9157efd31ca9f98afd28fdcdaafc09a2636",
-    "tiny/lazymar-head/7": "14e14add7b6648dcfe3213b00890e3f0073c6730f4285613dc91083b2716030c",
-    "tiny/marche/0": "a2464c0dcd60876476af8253be56381a19ee52c6c41a694555d363fff797029b",
-    "tiny/marche/7": "7f89459efaa8423de3727cad6b009001808275827d9b71f0f2e0311c285d3a69",
-    "tiny/marche-encoder/0": "cb2d2be3bac12be89186b78cba848f4c08eb10e302f4e434420406c5d02f93c7",
-    "tiny/marche-encoder/7": "b74766d992fc2098a31bd795962a577881374a4d3f1e28d97be734b26b5ab794",
-    "tiny/marche-composed/0": "1127820dc44dac495746311a327582ffc2156284f611891fc7e0a64286c185ca",
-    "tiny/marche-composed/7": "8637722842b0009a8c0f3633f9625d593d9d1a49400e2fa7108f6636ebb33933",
-    "digits/nocache/0": "401f4b564ad6053ab8dfe001187b0352f7a56faba28be74cba68ba980fb09afa",
-    "digits/nocache/7": "83bf58b39771f7fe913ede29be6a3ee1330026c8702d5db1f41960b99a8d368e",
-    "digits/lazymar/0": "950e4a452d5e970e6df3a3ae6d88760d86899955628878f3a1d015603ec929bf",
-    "digits/lazymar/7": "d871d8d6b44cd08cb5c241b038ae051f99f2fc167d78936c8c33f05f842696d3",
-    "digits/lazymar-token/0": "ce3458ca8114d7fa8a6a2a7227a687305e83dc64c174372386ddbb903bcb9a9c",
-    "digits/lazymar-token/7": "cbab7c73b19826c510e372d74458869d6c556eefc611dadd8c8d2bdd2c58f29c",
-    "digits/lazymar-cond/0": "9a4e6c3f9872b2a9480624009043f0594cf6fa3dfe670bc080c1dd001454b660",
-    "digits/lazymar-cond/7": "4fdd7af7ae13dcf0529328f37a0c65f517a615cc64eb90a4bd15306262300db6",
-    "digits/lazymar-head/0": "825fe6a6539b7c122e9dba3d67e533bc5d94260f85e4358497d5afdb1ba90292",
-    "digits/lazymar-head/7": "79d41424fff64a9cc2b1d5ce22af2410891614909c96d10751179c1a66e79ebd",
-    "digits/marche/0": "e95eb3437f325b590227b73b1e1d35281c8a46d39b9db8a283f3c813eba3fb1b",
-    "digits/marche/7": "45340d2034d201309656181f903e9f45e49ff091eac622ece24cf5ddd7e46651",
-    "digits/marche-encoder/0": "6f1a2a02794036e9e22b5e424480b2e9154cceabd71253ab224e0b52c9676e8f",
-    "digits/marche-encoder/7": "fce4a62337c5796b79e8a35988a5e20fe1b17ba83e10e05ac449554f3c7f45ca",
-    "digits/marche-composed/0": "c7a85368499aecab1e02d67e437026a2897713fe0b4b0e4718248799baeeb297",
-    "digits/marche-composed/7": "22138d6359fea1eae2716bd956c4d2ec45dd7481b6fa89484e15a0da22be3894",
+    "tiny/nocache/0": "7dc8fe484cc220f0833f1dd19757f218ea3d7ceb6b5369f336b8c8fdbb654c62",
+    "tiny/nocache/7": "ea2b9bb465453432839ebdbcb8134dcb1a3722bae9e41a44c90aa03a5d6ffcce",
+    "tiny/lazymar/0": "805eae88f6558a94632fac6b0fcd4ac9ba60311e37d266f4ab29769c786be9bb",
+    "tiny/lazymar/7": "4a531b93db5ee6977a3d09ce697b42506b8a8fad9b9e82357b3daac84061a0df",
+    "tiny/lazymar-token/0": "7f235cdd102a5cf7b80a30f9bf961a71564fc89547b0cb55c2968a6d22cfc75c",
+    "tiny/lazymar-token/7": "dacbfe9a040d9bc64e7bf9bf7e05f5801d9a6eb0848927390e41f25daaf15773",
+    "tiny/lazymar-cond/0": "c41c6c22aeb529dc9ec896d9e8405a37655c9a9860260792caa6b5e6b0085f2b",
+    "tiny/lazymar-cond/7": "4f7d3e0c2a51cb221fe72ea3ef3403efb7d99e264db45e25f9844434147866c7",
+    "tiny/lazymar-head/0": "9a21e897cdd27e74e67bd5caa732be7adb9d094587753bc381a4482ef29366ef",
+    "tiny/lazymar-head/7": "6c1e36a457d55fd545b35101bf0735550b6107defd854085bfc9f863c0d51497",
+    "tiny/marche/0": "0624ca8e663be430602719780753e62ffe7b883374b9341483efc2b2e6884c3f",
+    "tiny/marche/7": "5567f64fdc8390fe3130ad5bd1baad8b09308b6430eaf946aec473bac8353b07",
+    "tiny/marche-encoder/0": "545941f96e4f3d9ae531da4d1bdbeddf12fc1ba9cfade786575fdde4a61ef51b",
+    "tiny/marche-encoder/7": "1801e09fe61051d37a4d7dbc45d0df27349985d3ec7440b8b016bec1d4369b78",
+    "tiny/marche-composed/0": "1ba4fc82c29f6c8f47d54d8b8650157c43b2b1476cecc4edf8b2cc979a898ea1",
+    "tiny/marche-composed/7": "bff00d3a2d3ee7dd02daf9198315eb155bd3c41574e64cd313c0978e4bf53848",
+    "digits/nocache/0": "33911cb074e16f3b4d17cc7e4f0048b3dd0a392d300a87f4b3790ab6a6df8ec0",
+    "digits/nocache/7": "ab3b5b56c72f6e320d3024ad5ad03c436db24bc52291f426833993b58a0eb266",
+    "digits/lazymar/0": "e2cbd267c3405615a105785a4d4ea711c8fd24a64bd74b9ab236fe99484b4e9a",
+    "digits/lazymar/7": "9479743ce7af631d1ecfd20a9ad49ad25213decfc45607bc72ed6ff354824a8d",
+    "digits/lazymar-token/0": "014c9885bca477941e19a61ee82dcb372c9dcb4d78bde823fad91b0b751f41a3",
+    "digits/lazymar-token/7": "09cf83a5946532ac5f04c27234ccab14b8f0539a0536c0a606a3962c37774abd",
+    "digits/lazymar-cond/0": "3275c077d90d362639e34e9bce9574e047362f00e6fa009c7bfcf86acc10c1be",
+    "digits/lazymar-cond/7": "85bb211a9bb4403ee28fb8642e11b8872a239eaf15e49b1c862e7593f7c93e2b",
+    "digits/lazymar-head/0": "9afcbf71b07a25efe7e77efff0c5e29c28bd3715634435091a45e4bc6b1098c0",
+    "digits/lazymar-head/7": "453b87aa437362698665585078103aac77373ab45550cdbb15490e3d3ba6ff5c",
+    "digits/marche/0": "878c5d9da1850ff5475ecb466b38ff62e9dda9b48a65338820e7df0b06f02e60",
+    "digits/marche/7": "df9fd1b50989da9346fb6ac2553dbdb6e8676805e77f9cbbc66462ce60e6a4eb",
+    "digits/marche-encoder/0": "fdaa49e7deab570c627a2c89e2292d48b2a817ab5eee5a37c22c88a3e6c7924a",
+    "digits/marche-encoder/7": "bb63542fbffd2b2f4529485a84d5099771450676f12452f1512283872dd180ef",
+    "digits/marche-composed/0": "22442d61124cb97b2a39c3ffc668c20f6b724d736198076876a165c0790e6ba4",
+    "digits/marche-composed/7": "628ba47da36c5eae92a64ae82bcaf3826934ba7cfd0dc174618d1fc8820b1cf2",
 }
 
 HASWELL_PINS = {
-    "tiny/nocache/0": "07a0a972b55cf5c516266c284878aee438cddcc8312cde3ec4f73e2982946a8b",
-    "tiny/nocache/7": "bc87678752319aa1724e508133db1b468cd2bdb24e5a681f6f547c155ac483fc",
-    "tiny/lazymar/0": "6ca9dd3b49ce194d24c3ba8e53b7208c08a507009211794d0525895509f7b1e9",
-    "tiny/lazymar/7": "71cc46c8e2a0ec46953ecf1f700e5f968719a307099c36f8e601d5feec53ed56",
-    "tiny/lazymar-token/0": "19993bcaf332d5ad9c3b61a355223ba7303b664c8675abd0b3074ce92b1844f9",
-    "tiny/lazymar-token/7": "6565f2ff2e6fb8e78cf7586125ea1dac80fd1f25ecddea91de00b6aa282a3835",
-    "tiny/lazymar-cond/0": "a462b83e97588e898a57d0acb25cde894dac6591bb685a67122a5bd3d9368f8b",
-    "tiny/lazymar-cond/7": "d7e37c126ff78ae5864dc56b767c7838a54ce5ae52b3f753c66dcca4fae33ebc",
-    "tiny/lazymar-head/0": "2aa1d1859a97dcec219ba3c7228767f178f1ce0070f795f8ba7978fde94e5d13",
-    "tiny/lazymar-head/7": "261adc5aa8a88373791e2f09be4fb842f47d7c52a3d3fb1f70dc9dea460e17a0",
-    "tiny/marche/0": "1a98f92f59c4894eb17400fbfcef557872021c6788402046113919580d5f4ee8",
-    "tiny/marche/7": "1476c0eab4e8d873d17aede1f6bdf8065e7989751847db75d0490c9690547d70",
-    "tiny/marche-encoder/0": "619404db2b6646069483b1c45b787f711e418eaaffc12e49b655fe9d65037246",
-    "tiny/marche-encoder/7": "fb61c663439bdc1fa657c30ccba12aaa3a35df8b9eb90dd2d1988570d3a93c7e",
-    "tiny/marche-composed/0": "fcde6bc082bfea2d703a8a9b752ebf021a35a2d2ff19f9acfb185d23c380d695",
-    "tiny/marche-composed/7": "2f8d1b3b39d9bb8fb64da1007be81c89628650e01255ecec1248202bef6fc2ba",
-    "digits/nocache/0": "297a6bc42e8e3192ae37f3e6098e69b256936cb176b26130f1b2e2d5186ff9e4",
-    "digits/nocache/7": "784e80277fdf25b3bdee78f4efb65db169cdbbeadf021a19edea8a37a1f29fe4",
-    "digits/lazymar/0": "d041acb907c90f2e1049f3bb1aaa592bcdf3a5b94dc2b9158225c70fecfd76e2",
-    "digits/lazymar/7": "757b4aa0ef85fccb662c45addab3b239cadc86a54e9e3510c8db3929825a1057",
-    "digits/lazymar-token/0": "015cbe12890d35947749110a48e38991d82a80442ecb35687fa8d6562d9f76bf",
-    "digits/lazymar-token/7": "b760c081d72d0a1e41a9df3e11868ae22712a99a9c593a9808aaf81d9f9c2101",
-    "digits/lazymar-cond/0": "3e98cc650c3d6879a8d88607b11d07d22cb4c143275288d6d2aa0e72a5d1e793",
-    "digits/lazymar-cond/7": "415546acf968a346e653c4a491b5c91437be50cc76322adadd7378144e2c2df5",
-    "digits/lazymar-head/0": "f6ec97db02acdfc9502d15b960c2d138fc2161d2a5a13aa16d498f73700047b4",
-    "digits/lazymar-head/7": "95c3f68bd7a0eab8f2e994502aad03a361e01f629f303230d108b00f5621a75b",
-    "digits/marche/0": "09568be138510e97342bedb8767ca28728b4c6d7c9132ee7593f7b99ea10605e",
-    "digits/marche/7": "edbb69f162077a25fd0bcefe166068e1aff3546b4c114a50e2c8fb4625457e52",
-    "digits/marche-encoder/0": "275edce960acfa0a4ac4321952dfa916ca8a7df450b02d981b7ecdba4a7a50c4",
-    "digits/marche-encoder/7": "029f03473a95589ab54377f6a3d00dc4db575c94a190a9687635d6a35931f77e",
-    "digits/marche-composed/0": "43f875e1117e3c2f235b2393451831bf2a3cbe630b685eade34eb6356e1dda7c",
-    "digits/marche-composed/7": "d7133ae15497d4bc46269fa027aac78bcd4455deaa1ed02b829d95b066b1046d",
+    "tiny/nocache/0": "fddc7f9356c4a5b4105b0e1265a3dbd292266de55d32ec5a5d40538512531ba0",
+    "tiny/nocache/7": "017a9984820a5f157d4fa2c9ef66774b0ef1e2f7f4b2c14a76e1fc47d12ea89c",
+    "tiny/lazymar/0": "048ce82cf4bfbe66bfac79ed89b7230a8955fdf1783c4c5da990db9a1bc4311e",
+    "tiny/lazymar/7": "5a8eeb8d4eac0daf48e3afe3c367fa8650e91c89a49067fe38b76159cab941f7",
+    "tiny/lazymar-token/0": "1d45db27284cf4c56ac721d7c63107c448815679bf109823355212590c450552",
+    "tiny/lazymar-token/7": "6724f4954b806dc433c8c320125eb905061d4b34594d8fa49ba3f762509b9a07",
+    "tiny/lazymar-cond/0": "fccd4ae2ca98405b3c4be39350507813525ae46bc943fc9a307fd8df05ca8129",
+    "tiny/lazymar-cond/7": "96449eafc8861f1a99f4b9bc8dddadabf651f115ed5709af1720710235d13526",
+    "tiny/lazymar-head/0": "4c30da56fd5c26e75d97f451e45e003c4dee5b5bdd2fa76363a6bfa69e391cc7",
+    "tiny/lazymar-head/7": "5ae3aa73eb2c0be4db7e0d79cca237e77aeae377af6f481a214c1eac08111797",
+    "tiny/marche/0": "d751ca7f7e3047384d3449a82b5ccb4b75c2334f851d2715ee295e8c53eb9c85",
+    "tiny/marche/7": "1a4e1c93997b8ae754b194517584f47b355581d552ee82f9bad4eb4c4223ba13",
+    "tiny/marche-encoder/0": "b66001f5760b94bbc7d90c6841f01239a379845cad70902a2c13b20db051e48e",
+    "tiny/marche-encoder/7": "6018c3ded44176dc4b69727c86ec3fbb49c1197ffe3346f1812aecfa5de76a63",
+    "tiny/marche-composed/0": "f2b7f393eeeb6984ea7c676927d573793d55deda76328c440afe03f634efe8fb",
+    "tiny/marche-composed/7": "74077f50aa4fde620fccbe0bd45cf156d04f906b4d48b0873c493c669038195e",
+    "digits/nocache/0": "ec77f4b8f0b98adca883a809c65347126d3219eaff0e8d3d149c67fab46583ab",
+    "digits/nocache/7": "f115bcc515080d3dcba08bf403348c1da2062310648ba3f551caae9321be98da",
+    "digits/lazymar/0": "76f20f35d144fe0f82c3b28475dfe475580e5a2b29b38e5c7b510faa260381e2",
+    "digits/lazymar/7": "c06a1947ff5ab88ccd931135ab6f2466eabb5e557db1a763df549ee00b9ca8c8",
+    "digits/lazymar-token/0": "58a06f3aa5316c1aaa3bd1f55a6c00390404c1a548bc26917730f602fa6139c0",
+    "digits/lazymar-token/7": "94bf243e2cea0a948c13621535107b4e10dc49b78cbf03d7e60dbf134d6cfa73",
+    "digits/lazymar-cond/0": "36fa22e6b96d392751107297296183a154a36e11cb9f09e4697ebbd2d45e419c",
+    "digits/lazymar-cond/7": "1bbae0eed91f1aa318d11c8a54407bcf4aa2043010e7c716d60a0c00446bc09d",
+    "digits/lazymar-head/0": "a7e55372ad0036512f55dabea7adb40e06c7b5448f91be01a21027b072e4a038",
+    "digits/lazymar-head/7": "a1c5f8d6374f3027392a6efc86bac01daa7dd0a9f9fabe2c6bb88ca5424490af",
+    "digits/marche/0": "1a7a3e3f1ad3390a7bae37f671d4263ab8c159338e895a6c3f00350bf11c1ac5",
+    "digits/marche/7": "4ab04750640472525eb1f5d4fa6e92e303c5e70b09045097e487082d94238917",
+    "digits/marche-encoder/0": "4037460ae6356f712a07910a71b0b52c0600a3ece3c433b2b0bdf390338f0923",
+    "digits/marche-encoder/7": "500dee1fb4e7b0b4ec4ddf5152d2b90278c18b894ca279c07e1eb7175f43e678",
+    "digits/marche-composed/0": "6c4a847b62d1616e20c575829844c073b2a7231645a60d173905a3c9a7401119",
+    "digits/marche-composed/7": "def0ebf15e67de49ce2e8130f28b47cfed8267404bd3dc2d79656ceb712223d4",
 }
 
 PINS_BY_PLATFORM = {PINNED_PLATFORMS[0]: SKYLAKEX_PINS, PINNED_PLATFORMS[1]: HASWELL_PINS}

@@ -81,6 +81,29 @@ def test_flops_of_released_configs_match_spec():
         mc.flops("mar_tiny")
 
 
+def test_head_params_read_counts_the_head_weights_each_evaluation_streams():
+    """FlopReport.head_params_read (issue 23: the head's bytes bound it at batch 1): MAR-B's
+    cond_embed once per AR step and its per-evaluation Linear weights (input_proj, the res
+    blocks' adaLN / mlp.0 / mlp.2, the final adaLN and linear; not the time embedding,
+    hoisted at load) once per diffusion step, counted from the official tensor shapes,
+    whatever the batch and CFG; fewer with LazyMAR's head cache (a reused block reads its
+    gate rows only)."""
+    from reference import mar as R
+
+    shapes = R.official_shapes("mar_base")
+    per_eval = sum(int(np.prod(s)) for k, s in shapes.items() if k.startswith("diffloss.net.")
+                   and k.endswith(".weight") and len(s) == 2 and ".time_embed." not in k and ".cond_embed." not in k)
+    cond = int(np.prod(shapes["diffloss.net.cond_embed.weight"]))
+    assert per_eval == 33_603_584  # 134 MB of fp32 per diffusion step
+    for cfg, batch in ((2.9, 1), (1.0, 8)):
+        rep = mc.flops("mar_base", steps=64, cfg=cfg, batch=batch)
+        assert rep.head_params_read == 64 * (cond + 100 * per_eval)
+    assert mc.flops("mar_base", steps=8, cfg=2.9, diffusion_steps=50).head_params_read == 8 * (cond + 50 * per_eval)
+    lazy = mc.flops("mar_base", steps=64, cfg=2.9, cache=mc.LazyMAR()).head_params_read
+    assert 0 < lazy < 64 * (cond + 100 * per_eval)
+    assert mc.flops("mar_base", steps=64, cfg=2.9, convention="reference").head_params_read == 0
+
+
 def test_cli_generate_writes_png(files, tmp_path):
     mar_path, vae_path, _ = files
     out = tmp_path / "grid.png"

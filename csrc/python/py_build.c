@@ -90,6 +90,46 @@ static int add_cuda_info(PyObject *info) {
     return rc;
 }
 
+/* The CPU backend's small-row kernels (cpu_smallrow.c): cpu_isa, the
+ * instruction set a CPU backend made now uses (MARCACHE_CPU_ISA honoured;
+ * a bad value is reported in the string, since build_info must not raise),
+ * the sets this CPU supports, and smallrow_max, the row threshold
+ * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment). */
+static int add_cpu_isa_info(PyObject *info) {
+    mc_err err = {0};
+    mc_cpu_isa isa;
+    int smallrow_max;
+    PyObject *isa_s;
+    if (mc_cpu_config_from_env(&isa, &smallrow_max, &err) == MC_OK) {
+        isa_s = PyUnicode_FromString(mc_cpu_isa_name(isa));
+    } else {
+        isa_s = PyUnicode_FromFormat("invalid: %s", err.msg);
+        smallrow_max = -1;
+    }
+    PyObject *supported = PyList_New(0);
+    static const mc_cpu_isa all[] = {MC_CPU_ISA_AVX512, MC_CPU_ISA_AVX2, MC_CPU_ISA_PLAIN};
+    for (size_t k = 0; supported != NULL && k < sizeof all / sizeof all[0]; k++) {
+        if (!mc_cpu_isa_supported(all[k]))
+            continue;
+        PyObject *name = PyUnicode_FromString(mc_cpu_isa_name(all[k]));
+        if (name == NULL || PyList_Append(supported, name) < 0)
+            Py_CLEAR(supported);
+        Py_XDECREF(name);
+    }
+    if (isa_s == NULL || supported == NULL) {
+        Py_XDECREF(isa_s);
+        Py_XDECREF(supported);
+        return -1;
+    }
+    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i}", "cpu_isa", isa_s, "cpu_isa_supported", supported,
+                                      "smallrow_max", smallrow_max);
+    if (entries == NULL)
+        return -1;
+    int rc = PyDict_Update(info, entries);
+    Py_DECREF(entries);
+    return rc;
+}
+
 static PyObject *build_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -105,7 +145,7 @@ static PyObject *build_info(PyObject *self, PyObject *noargs) {
                                    MC_BUILD_CFLAGS_ENV, "sanitize", MC_BUILD_SANITIZE, "werror",
                                    MC_BUILD_WERROR ? Py_True : Py_False, "openmp", _OPENMP, "compiler",
                                    __VERSION__);
-    if (info != NULL && add_cuda_info(info) < 0)
+    if (info != NULL && (add_cuda_info(info) < 0 || add_cpu_isa_info(info) < 0))
         Py_CLEAR(info);
     return info;
 }

@@ -12,6 +12,8 @@
 
 typedef struct cpu_state {
     int num_threads;
+    mc_cpu_isa isa;   /* the small-row kernels' instruction set */
+    int smallrow_max; /* linear with at most this many rows runs the small-row kernel */
     float *scratch[MC_CPU_SCRATCH_SLOTS];
     size_t scratch_floats[MC_CPU_SCRATCH_SLOTS];
 } cpu_state;
@@ -76,6 +78,10 @@ const char *mc_cpu_blas_config(void) { return scipy_openblas_get_config(); }
 const char *mc_cpu_blas_core(void) { return scipy_openblas_get_corename(); }
 
 int mc_cpu_threads(mc_backend *be) { return ((cpu_state *)be->impl)->num_threads; }
+
+mc_cpu_isa mc_cpu_isa_of(mc_backend *be) { return ((cpu_state *)be->impl)->isa; }
+
+int mc_cpu_smallrow_max(mc_backend *be) { return ((cpu_state *)be->impl)->smallrow_max; }
 
 float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what, mc_err *err) {
     cpu_state *st = be->impl;
@@ -163,6 +169,12 @@ mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) 
         return mc_fail_nomem(err, sizeof *be + sizeof *st, "the CPU backend");
     }
     st->num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    /* Read once here, so a model's kernels never change under it. */
+    if (mc_cpu_config_from_env(&st->isa, &st->smallrow_max, err) != MC_OK) {
+        free(be);
+        free(st);
+        return err->status;
+    }
     /* GEMMs are threaded by mc_cpu_sgemm; OpenBLAS's own pool stays idle.
      * The setting is process-wide, and only this library's copy of
      * OpenBLAS (the scipy-openblas32 wheel) is affected. */

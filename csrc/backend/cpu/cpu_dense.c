@@ -52,15 +52,18 @@ static void apply_act_rows(mc_backend *be, mc_act act, float *y, int64_t ldy, in
     }
 }
 
-/* Scratch slots of linear with 16-bit weights (no op keeps scratch across
- * calls, so these may overlap other ops' slots). */
+/* Scratch slots of linear: the widened 16-bit operands, or the small-row
+ * path's packed x (no op keeps scratch across calls, so these may overlap
+ * other ops' slots). */
 #define MC_LINEAR_W_SLOT 0
 #define MC_LINEAR_X_SLOT 1
 
 /* The float32 values of a 16-bit weight, and x rounded to the same type:
  * the arithmetic the CUDA backend's 16-bit GEMM does, with products summed
- * in float32. Slower than float32 on a CPU; it exists so the 16-bit
- * numerics can be checked (and the GPU path compared) anywhere. */
+ * in float32. This widens the whole matrix on every call, so it serves
+ * only calls with more rows than the small-row path takes (where sgemm's
+ * arithmetic dominates the widening); with few rows 16-bit weights go
+ * through the small-row kernel, which widens in registers. */
 static mc_status widen_linear_operands(mc_backend *be, const float *x, int64_t ldx, int64_t rows,
                                        int64_t in, const void *w, int64_t out, const float **x_used,
                                        const float **w_used, mc_err *err) {
@@ -90,6 +93,25 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         return MC_OK;
     if (beta != 0.0f && act != MC_ACT_NONE)
         return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
+    if (rows <= mc_cpu_smallrow_max(be)) {
+        /* Few rows: bound by reading W (cpu_smallrow.c). x is copied once
+         * (rounded to a 16-bit weight type, padded to whole vectors). */
+        const int64_t in_pad = (in + 15) / 16 * 16;
+        static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
+        const float *xp = &no_inputs;
+        if (in_pad > 0) {
+            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in_pad),
+                                           "the small-row linear's packed input", err);
+            if (packed == NULL)
+                return err->status;
+            mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, in_pad, packed);
+            xp = packed;
+        }
+        const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .in_pad = in_pad, .rows = rows, .in = in,
+                                     .out = out, .w = w, .bias = bias, .act = act, .beta = beta, .y = y, .ldy = ldy};
+        mc_cpu_smallrow_run(mc_cpu_isa_of(be), mc_cpu_threads(be), &job);
+        return MC_OK;
+    }
     const float *xg = x, *wg = w;
     int64_t ldxg = ldx;
     if (be->linear_wtype != MC_WTYPE_F32) {

@@ -73,6 +73,57 @@ float mc_gelu_erf(float x);
 float mc_silu(float x);
 float mc_gelu_tanh(float x);
 
+/* ---- The small-row linear (cpu_smallrow.c; issue 23). ---- */
+
+/* The vector instruction set of the small-row kernels, chosen once per
+ * backend when it is made: the best the CPU has, or MARCACHE_CPU_ISA
+ * (auto | avx512 | avx2 | plain; one the CPU lacks is a ValueError). plain
+ * is the reference loop, which every ISA matches bit for bit. */
+typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_AVX512 = 2 } mc_cpu_isa;
+
+/* linear runs the small-row kernel for rows <= this (MARCACHE_SMALLROW_MAX
+ * overrides it, 0 turns the path off; at most MC_SMALLROW_MAX_LIMIT). 32:
+ * where OpenBLAS starts to win for fp32 weights (measured, cpu_smallrow.c). */
+#define MC_SMALLROW_MAX_DEFAULT 32
+#define MC_SMALLROW_MAX_LIMIT 4096
+
+const char *mc_cpu_isa_name(mc_cpu_isa isa);
+int mc_cpu_isa_supported(mc_cpu_isa isa);
+mc_cpu_isa mc_cpu_isa_best(void);
+/* The ISA and threshold a CPU backend made now uses (the environment read,
+ * checked: a bad value is MC_ERR_VALUE naming the variable). */
+mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err);
+mc_cpu_isa mc_cpu_isa_of(mc_backend *be);
+int mc_cpu_smallrow_max(mc_backend *be);
+
+/* One small-row linear: y = beta * y + act(xp W^T + bias), the contract of
+ * the op (ops_list.h) with x already packed by mc_cpu_smallrow_pack_x. */
+typedef struct mc_smallrow_job {
+    mc_wtype wt;
+    const float *xp;  /* rows x in_pad floats: x rounded to wt, zero past in */
+    int64_t in_pad;   /* in rounded up to a multiple of 16 */
+    int64_t rows, in, out;
+    const void *w;    /* [out, in] of wt */
+    const float *bias; /* [out] or NULL */
+    mc_act act;
+    float beta;       /* 0 or 1 */
+    float *y;
+    int64_t ldy;
+} mc_smallrow_job;
+
+/* x rows (row stride ldx) into xp (row stride in_pad), rounded to a 16-bit
+ * wt as mc_wtype_round does, zeros in [in, in_pad). */
+void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t rows, int64_t in, int64_t in_pad,
+                            float *xp);
+/* Runs the job with `isa`'s kernel, outputs split across `threads` (one
+ * parallel region; serial inside another region or for small jobs). */
+void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j);
+/* The kernels' shared pieces: the fixed 16-lane summation tree, and the
+ * epilogue (bias, activation, residual) storing nr x no sums. */
+float mc_smallrow_reduce16(const float lane[16]);
+void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0, int no, const float *sums,
+                       int ld_sums);
+
 /* Plain-loop reference of mc_cpu_conv2d_ex (same contract), for tests. */
 mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
                                  int64_t ldx, const float *w, const float *bias, int64_t cout,

@@ -1,0 +1,275 @@
+"""The CPU backend's small-row linear (csrc/backend/cpu/cpu_smallrow.c, issue 23).
+
+`linear` with at most MARCACHE_SMALLROW_MAX rows (default 32) runs a kernel that streams
+W in nn.Linear layout once per call, outputs split across the OpenMP team, with bias,
+activation and the residual applied as the sums are stored. Its instruction set
+(MARCACHE_CPU_ISA: avx512, avx2 or the plain reference loop) is read when a backend is
+made; run_op makes one per call, so each call here sees the environment it sets.
+
+What is held:
+  - every ISA the CPU runs, each weight type, against the float64 reference at the op
+    test's tolerances (tests/test_ops.py: 1e-5 / 2e-5 from 512 terms; 16-bit weights
+    against the rounded operands at 2e-5 and within the 16-bit bounds of the unrounded
+    ones), over row counts around the vector and tile sizes and the threshold, widths
+    that are not multiples of 16, bias or none, each activation, beta 0 / 1, strided x
+    and y, 1 and 2 threads;
+  - the documented summation order exactly: a NumPy emulation of it (16 fma lanes, the
+    fixed tree, then bias and residual) equals every ISA's result bit for bit, so a fast
+    kernel that drops, repeats or reorders a term fails even where the tolerance would
+    not notice;
+  - the ISAs agree with each other bit for bit, and a row's bits do not depend on how
+    many rows the call has or on the thread count;
+  - bad MARCACHE_CPU_ISA / MARCACHE_SMALLROW_MAX values are a ValueError naming the
+    variable, and build_info() names the ISA.
+"""
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from marcache import _C
+from reference import ops as ref
+from tolerance import assert_close, scaled_atol
+
+F32 = np.float32
+SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
+# Every ISA this CPU runs (plain always): no parametrisation here ever needs a skip.
+ISAS = tuple(isa for isa in ("plain", "avx2", "avx512") if isa in SUPPORTED)
+WTYPES = ("fp32", "bf16", "fp16")
+BOUND_16BIT = {"bf16": 1e-2, "fp16": 2e-3}  # test_ops.py's bounds of 16-bit operands
+
+
+@contextmanager
+def env(**values):
+    """MARCACHE_* variables set (None: unset) while the block runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in values.items():
+            if v is None:
+                mp.delenv(k, raising=False)
+            else:
+                mp.setenv(k, str(v))
+        yield
+
+
+def run_linear(isa, x, w, bias=None, y=None, act="none", beta=0.0, wtype="fp32", threads=0,
+               smallrow_max=None, backend="cpu"):
+    with env(MARCACHE_CPU_ISA=isa, MARCACHE_SMALLROW_MAX=smallrow_max):
+        return _C.run_op(backend, "linear", (x, w, bias, y),
+                         {"act": act, "beta": float(beta), "wtype": wtype, "threads": threads})
+
+
+def column_slice(rng, rows, cols, before=3, after=5, scale=1.0):
+    """[rows, cols] view into a [rows, before + cols + after] buffer (ld > cols)."""
+    return (rng.standard_normal((rows, before + cols + after)) * scale).astype(F32)[:, before:before + cols]
+
+
+def make_inputs(seed, rows, inp, out, bias=True, with_y=False, strided=False, w_scale=None):
+    rng = np.random.default_rng(seed)
+    x = column_slice(rng, rows, inp) if strided else rng.standard_normal((rows, inp)).astype(F32)
+    scale = 1.0 / np.sqrt(max(inp, 1)) if w_scale is None else w_scale
+    w = (rng.standard_normal((out, inp)) * scale).astype(F32)
+    b = rng.standard_normal(out).astype(F32) if bias else None
+    y = None
+    if with_y:
+        y = column_slice(rng, rows, out) if strided else rng.standard_normal((rows, out)).astype(F32)
+    return x, w, b, y
+
+
+def check_against_reference(got, x, w, b, y, act, beta, wtype):
+    """test_ops.py's comparison: every element within tol * max |reference|."""
+    tol = 2e-5 if x.shape[1] >= 512 else 1e-5
+    if wtype == "fp32":
+        want = ref.linear(x, w, b, act=act, beta=beta, y=y)
+        assert_close(got, want, rtol=0.0, atol=scaled_atol(want, tol), what="linear vs float64")
+        return
+    rounded = ref.linear(ref.round_to_wtype(x, wtype), ref.round_to_wtype(w, wtype), b, act=act, beta=beta, y=y)
+    assert_close(got, rounded, rtol=0.0, atol=scaled_atol(rounded, 2e-5), what="linear vs rounded operands")
+    exact = ref.linear(x, w, b, act=act, beta=beta, y=y)
+    assert_close(got, exact, rtol=0.0, atol=scaled_atol(exact, BOUND_16BIT[wtype]), what="linear vs float64")
+
+
+# (rows, in, out, act, bias, beta, strided, threads): rows around the AVX-512 tile (3),
+# the vector width (16) and the threshold (32, 33 goes to OpenBLAS); in and out not
+# multiples of 16, down to 1 and 0; the head's adaLN and MLP shapes.
+CASES = [
+    (1, 1, 1, "none", True, 0.0, False, 1),
+    (2, 5, 17, "silu", True, 0.0, False, 2),
+    (3, 17, 5, "gelu", False, 0.0, True, 2),
+    (7, 100, 100, "gelu_tanh", True, 0.0, False, 2),
+    (8, 1024, 3072, "none", True, 0.0, False, 2),
+    (8, 1024, 1024, "silu", True, 0.0, False, 1),
+    (9, 33, 65, "none", True, 1.0, True, 2),
+    (16, 64, 80, "gelu", True, 0.0, True, 1),
+    (31, 100, 17, "none", False, 1.0, False, 2),
+    (32, 17, 100, "silu", True, 0.0, True, 2),
+    (33, 100, 5, "none", True, 1.0, True, 2),
+    (4, 0, 5, "silu", True, 0.0, False, 2),  # no inputs: act(bias)
+    (5, 7, 0, "none", True, 1.0, False, 2),  # no outputs
+]
+
+
+def case_id(c):
+    rows, inp, out, act, bias, beta, strided, threads = c
+    return "%dx%dx%d-%s%s%s%s-t%d" % (rows, inp, out, act, "" if bias else "-nobias", "-residual" if beta else "",
+                                      "-strided" if strided else "", threads)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("wtype", WTYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matches_the_float64_reference(isa, wtype, case):
+    rows, inp, out, act, bias, beta, strided, threads = case
+    x, w, b, y = make_inputs(rows * 7919 + inp * 31 + out, rows, inp, out, bias, beta != 0.0, strided)
+    got = run_linear(isa, x, w, b, y, act=act, beta=beta, wtype=wtype, threads=threads)
+    assert got.dtype == F32 and got.shape == (rows, out)
+    check_against_reference(got, x, w, b, y, act, beta, wtype)
+
+
+def emulate_order(x, w, b, y, beta, wtype):
+    """The small-row kernel's arithmetic in NumPy: x rounded and W widened for a 16-bit
+    type; lane l = i % 16 of each output accumulates x[i] * w[i] in increasing i with one
+    rounding per step (an fma: the product of two floats is exact in float64 and one
+    float64 add then rounded to float32 equals it unless the float64 sum lands on a
+    float32 tie, which these seeded inputs do not reach); the lanes summed as
+    l + 8, l + 4, l + 2, l + 1; then + bias, then y + that when beta is 1."""
+    xr = ref.round_to_wtype(x, wtype).astype(np.float64)
+    wr = ref.round_to_wtype(w, wtype).astype(np.float64)
+    rows, inp = xr.shape
+    pad = (-inp) % 16
+    xr = np.pad(xr, ((0, 0), (0, pad)))
+    wr = np.pad(wr, ((0, 0), (0, pad)))
+    acc = np.zeros((rows, w.shape[0], 16), F32)
+    for i0 in range(0, inp + pad, 16):
+        prod = xr[:, None, i0:i0 + 16] * wr[None, :, i0:i0 + 16]
+        acc = (prod + acc.astype(np.float64)).astype(F32)
+    b8 = acc[..., :8] + acc[..., 8:]
+    c4 = b8[..., :4] + b8[..., 4:]
+    s = (c4[..., 0] + c4[..., 2]) + (c4[..., 1] + c4[..., 3])
+    if b is not None:
+        s = s + b
+    if beta != 0.0:
+        s = y + s
+    return s.astype(F32)
+
+
+ORDER_CASES = [(1, 17, 9, True, 0.0), (3, 100, 24, False, 1.0), (8, 256, 40, True, 1.0), (9, 300, 33, True, 0.0),
+               (32, 48, 17, True, 0.0)]
+
+
+@pytest.mark.parametrize("case", ORDER_CASES, ids=["%dx%dx%d" % c[:3] for c in ORDER_CASES])
+@pytest.mark.parametrize("wtype", WTYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_computes_the_documented_order_bit_for_bit(isa, wtype, case):
+    rows, inp, out, bias, beta = case
+    x, w, b, y = make_inputs(inp * 13 + out, rows, inp, out, bias, beta != 0.0, strided=True)
+    got = run_linear(isa, x, w, b, y, beta=beta, wtype=wtype, threads=2)
+    np.testing.assert_array_equal(got, emulate_order(x, w, b, y, beta, wtype))
+
+
+@pytest.mark.parametrize("wtype", WTYPES)
+def test_isas_agree_bit_for_bit_and_with_openblas_within_tolerance(wtype):
+    x, w, b, _ = make_inputs(5, 8, 1024, 3072)
+    results = {isa: run_linear(isa, x, w, b, act="silu", wtype=wtype, threads=2) for isa in ISAS}
+    for isa in ISAS:
+        np.testing.assert_array_equal(results[isa], results["plain"], err_msg=f"{isa} vs plain")
+    # The path before this kernel (OpenBLAS, 16-bit weights widened first): another
+    # summation order, the same arithmetic within the op test's tolerance.
+    old = run_linear("plain", x, w, b, act="silu", wtype=wtype, threads=2, smallrow_max=0)
+    assert_close(results["plain"], old, rtol=0.0, atol=scaled_atol(old, 2e-5), what="small-row vs OpenBLAS")
+    assert not np.array_equal(results["plain"], old), "MARCACHE_SMALLROW_MAX=0 did not change the path"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_bits_do_not_depend_on_the_row_count_or_threads(isa):
+    x, w, b, _ = make_inputs(11, 9, 200, 300)
+    full = run_linear(isa, x, w, b, act="gelu", wtype="bf16", threads=2)
+    np.testing.assert_array_equal(full, run_linear(isa, x, w, b, act="gelu", wtype="bf16", threads=1))
+    for r in (0, 4, 8):
+        alone = run_linear(isa, np.ascontiguousarray(x[r:r + 1]), w, b, act="gelu", wtype="bf16", threads=2)
+        np.testing.assert_array_equal(alone[0], full[r], err_msg=f"row {r}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_raised_threshold_runs_groups_of_32_rows(isa):
+    # MARCACHE_SMALLROW_MAX=80 sends 33 and 70 rows to the kernel, which takes rows in
+    # groups of 32: still the reference, the documented order, and each row's own bits.
+    for rows in (33, 70):
+        x, w, b, _ = make_inputs(rows, rows, 40, 24)
+        got = run_linear(isa, x, w, b, wtype="fp16", threads=2, smallrow_max=80)
+        check_against_reference(got, x, w, b, None, "none", 0.0, "fp16")
+        np.testing.assert_array_equal(got, emulate_order(x, w, b, None, 0.0, "fp16"))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp16_subnormal_weights_and_bf16_extremes_widen_exactly(isa):
+    # fp16 weights below 2^-14 are subnormal: F16C / AVX-512 widen them exactly, as
+    # mc_f16_to_f32 does; bf16 keeps float32's exponent, so 1e30-sized weights stay finite.
+    x, w, b, _ = make_inputs(3, 4, 40, 20, w_scale=3e-6)
+    got = run_linear(isa, x, w, b, wtype="fp16", threads=1)
+    np.testing.assert_array_equal(got, emulate_order(x, w, b, None, 0.0, "fp16"))
+    x, w, b, _ = make_inputs(4, 4, 40, 20, w_scale=1e30)
+    got = run_linear(isa, x, w, None, wtype="bf16", threads=1)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_array_equal(got, emulate_order(x, w, None, None, 0.0, "bf16"))
+
+
+@pytest.mark.parametrize("wtype", ("bf16", "fp16"))
+def test_x_is_rounded_to_the_weight_type_as_mc_wtype_round_does(wtype):
+    # One nonzero input per row times a weight of 1: y is x rounded to the weight type,
+    # exactly, on the small-row path (x rounded as it is packed) and on the old one
+    # (widen_linear_operands): ties to even, overflow to infinity, subnormals, NaN.
+    f32max = float(np.finfo(F32).max)
+    specials = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-11, 1 + 3 * 2**-11, f32max, -f32max,
+                         65519.0, 65520.0, 1e-45, 3e-8, 2.0**-24 * 1.5, np.inf, -np.inf, np.nan, 0.1, -7.3e12],
+                        dtype=F32)
+    x = np.zeros((len(specials), 3), F32)
+    x[:, 0] = specials
+    w = np.array([[1.0, 0.0, 0.0]], F32)
+    want = ref.round_to_wtype(specials, wtype)
+    for isa in ISAS:
+        for smallrow_max in (None, 0):
+            with np.errstate(invalid="ignore"):
+                got = run_linear(isa, x, w, wtype=wtype, threads=1, smallrow_max=smallrow_max)[:, 0]
+            np.testing.assert_array_equal(got, want, err_msg=f"{isa}, MARCACHE_SMALLROW_MAX={smallrow_max}")
+
+
+def test_the_guard_backend_runs_the_same_kernel():
+    x, w, b, y = make_inputs(6, 8, 100, 70, with_y=True, strided=True)
+    for isa in ISAS:
+        got = run_linear(isa, x, w, b, y, beta=1.0, wtype="bf16", threads=2, backend="guard")
+        np.testing.assert_array_equal(got, emulate_order(x, w, b, y, 1.0, "bf16"))
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("MARCACHE_CPU_ISA", "sse9", "MARCACHE_CPU_ISA='sse9': expected auto, avx512, avx2 or plain"),
+    ("MARCACHE_SMALLROW_MAX", "lots", "MARCACHE_SMALLROW_MAX='lots': expected an integer in [0, 4096]"),
+    ("MARCACHE_SMALLROW_MAX", "-1", "MARCACHE_SMALLROW_MAX='-1'"),
+    ("MARCACHE_SMALLROW_MAX", "4097", "MARCACHE_SMALLROW_MAX='4097'"),
+    ("MARCACHE_SMALLROW_MAX", "8 ", "MARCACHE_SMALLROW_MAX='8 '"),
+])
+def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragment):
+    x, w, _, _ = make_inputs(0, 2, 3, 4)
+    with env(**{name: value}):
+        with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+            _C.run_op("cpu", "linear", (x, w), {})
+        assert _C.build_info()["cpu_isa"].startswith("invalid: " + name)
+        assert _C.build_info()["smallrow_max"] == -1
+
+
+def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
+    with env(MARCACHE_CPU_ISA=None, MARCACHE_SMALLROW_MAX=None):
+        info = _C.build_info()
+    # The best set is the default; without a vector kernel the path is off by default.
+    assert info["cpu_isa"] == SUPPORTED[0] and SUPPORTED[-1] == "plain"
+    assert info["smallrow_max"] == (0 if SUPPORTED[0] == "plain" else 32)
+    x, w, _, _ = make_inputs(0, 2, 3, 4)
+    for isa in ("avx512", "avx2"):
+        with env(MARCACHE_CPU_ISA=isa):
+            if isa in SUPPORTED:
+                assert _C.build_info()["cpu_isa"] == isa
+                _C.run_op("cpu", "linear", (x, w), {})
+            else:
+                with pytest.raises(ValueError, match=f"MARCACHE_CPU_ISA={isa}: this CPU does not support it"):
+                    _C.run_op("cpu", "linear", (x, w), {})
+    with env(MARCACHE_CPU_ISA="auto", MARCACHE_SMALLROW_MAX="0"):
+        assert _C.build_info()["cpu_isa"] == SUPPORTED[0] and _C.build_info()["smallrow_max"] == 0
