@@ -92,6 +92,9 @@ NOT_FROM_ARGUMENTS = {
         "the GPU tests skip where no device is usable",
     "cuda backend: device %d does not exist (%d device%s)": "the tests use cuda:0",
     "cosine_rows: heads must be positive": "run_op's param_heads requires heads >= 1",
+    "cuda: %s failed: %s": "a CUDA runtime call's own failure (a device fault, a driver error), "
+                           "not a refusal of an op's arguments",
+    "cublas: %s failed: %s": "a cuBLAS call's own failure, not a refusal of an op's arguments",
     "pool probe: a recording with releases was kept": "the _cuda_pool_probe test hook's own "
                                                       "check, not an op",
     'cuda backend: cuBLAS %d.x could not be loaded; install it with pip install \\"%s\\" (or '

@@ -28,7 +28,6 @@ from reference import vae as ref_vae
 
 PIECE = 1 << 20  # source elements per piece (MC_BIND_PIECE_FLOATS)
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
 
 # name -> shape: one piece exactly, two pieces (the second partial), a conv whose
 # output channels split over two pieces, a conv with one output channel larger than a
@@ -140,8 +139,9 @@ def rss_files(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,dtype", [("mar", "fp32"), ("mar", "bf16"), ("vae", "fp32")])
 def test_load_peak_rss_stays_near_the_weights(rss_files, kind, dtype):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    # The child imports the marcache this process tests (conftest's sys.path: the in-place
+    # build, or the installed package when the source tree has no build, as in CI).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
     probe = os.path.join(TESTS_DIR, "load_probe.py")
     done = subprocess.run([sys.executable, probe, kind, rss_files[kind], dtype, "--reset-peak"],
                           capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=300)

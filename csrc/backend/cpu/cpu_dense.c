@@ -100,7 +100,11 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
         const float *xp = &no_inputs;
         if (in_pad > 0) {
-            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(rows * in_pad),
+            /* Sized for the most rows this path takes, not for this call's rows:
+             * the scratch then reaches its size at the first call of each input
+             * width, and a later run with other row counts (another CFG, batch or
+             * scale) never grows it inside the loop (test_var_generate checks). */
+            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(mc_cpu_smallrow_max(be) * in_pad),
                                            "the small-row linear's packed input", err);
             if (packed == NULL)
                 return err->status;
