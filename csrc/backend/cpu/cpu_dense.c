@@ -96,7 +96,7 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
     if (rows <= mc_cpu_smallrow_max(be)) {
         /* Few rows: bound by reading W (cpu_smallrow.c). x is copied once
          * (rounded to a 16-bit weight type, padded to whole vectors). */
-        const int64_t in_pad = (in + 15) / 16 * 16;
+        const int64_t in_pad = (in + MC_SMALLROW_LANES - 1) / MC_SMALLROW_LANES * MC_SMALLROW_LANES;
         static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
         const float *xp = &no_inputs;
         if (in_pad > 0) {

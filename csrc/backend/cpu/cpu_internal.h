@@ -85,6 +85,9 @@ typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_
  * overrides it, 0 turns the path off; at most MC_SMALLROW_MAX_LIMIT). 32:
  * where OpenBLAS starts to win for fp32 weights (measured, cpu_smallrow.c). */
 #define MC_SMALLROW_MAX_DEFAULT 32
+/* The lanes of the small-row summation order (one AVX-512 vector, two AVX2
+ * ones): x rows are padded to a multiple of it. */
+#define MC_SMALLROW_LANES 16
 #define MC_SMALLROW_MAX_LIMIT 4096
 
 const char *mc_cpu_isa_name(mc_cpu_isa isa);
@@ -101,7 +104,7 @@ int mc_cpu_smallrow_max(mc_backend *be);
 typedef struct mc_smallrow_job {
     mc_wtype wt;
     const float *xp;  /* rows x in_pad floats: x rounded to wt, zero past in */
-    int64_t in_pad;   /* in rounded up to a multiple of 16 */
+    int64_t in_pad;   /* in rounded up to a multiple of MC_SMALLROW_LANES */
     int64_t rows, in, out;
     const void *w;    /* [out, in] of wt */
     const float *bias; /* [out] or NULL */
@@ -120,7 +123,7 @@ void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t ro
 void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j);
 /* The kernels' shared pieces: the fixed 16-lane summation tree, and the
  * epilogue (bias, activation, residual) storing nr x no sums. */
-float mc_smallrow_reduce16(const float lane[16]);
+float mc_smallrow_reduce16(const float lane[MC_SMALLROW_LANES]);
 void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0, int no, const float *sums,
                        int ld_sums);
 

@@ -113,7 +113,7 @@ mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err
     return MC_OK;
 }
 
-float mc_smallrow_reduce16(const float lane[16]) {
+float mc_smallrow_reduce16(const float lane[MC_SMALLROW_LANES]) {
     float b[8], c[4];
     for (int l = 0; l < 8; l++)
         b[l] = lane[l] + lane[l + 8];
@@ -152,9 +152,9 @@ static void mc_smallrow_plain(const mc_smallrow_job *j, int64_t o_begin, int64_t
     for (int64_t o = o_begin; o < o_end; o++)
         for (int64_t r = 0; r < j->rows; r++) {
             const float *xr = j->xp + r * j->in_pad;
-            float lane[16] = {0};
-            for (int64_t i0 = 0; i0 < j->in_pad; i0 += 16)
-                for (int l = 0; l < 16; l++) {
+            float lane[MC_SMALLROW_LANES] = {0};
+            for (int64_t i0 = 0; i0 < j->in_pad; i0 += MC_SMALLROW_LANES)
+                for (int l = 0; l < MC_SMALLROW_LANES; l++) {
                     const int64_t i = i0 + l;
                     float wv = 0.0f; /* past `in`: the zero padding of the vector kernels */
                     if (i < j->in)
