@@ -9,6 +9,7 @@ any test runs: a GPU run must never pass by skipping every GPU case.
 """
 import functools
 import os
+import signal
 import sys
 
 import pytest
@@ -30,6 +31,14 @@ for path in paths:
         sys.path.insert(0, path)
 
 KNOWN_BACKENDS = ("cpu", "cuda")
+
+# The Ctrl-C tests need SIGINT to raise KeyboardInterrupt. A pytest started as a
+# background job of a non-interactive shell (`pytest &` or `nohup pytest &` in a
+# script, some CI runners) inherits SIGINT ignored, and Python then leaves it
+# ignored instead of installing its handler: every Ctrl-C test would fail for a
+# reason that has nothing to do with marcache. Install Python's own handler then.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @functools.lru_cache(maxsize=None)
