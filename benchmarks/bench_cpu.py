@@ -17,6 +17,12 @@ bandwidth-bound; "x floor" is the measured time over the floor.
     python benchmarks/bench_cpu.py                  # the full table (~25 min on 2 cores)
     python benchmarks/bench_cpu.py --steps 8 --batches 1 2   # a quick look
     python benchmarks/bench_cpu.py --dtypes fp32 bf16       # bf16 Linear weights beside fp32
+    python benchmarks/bench_cpu.py --caches nocache lazymar disa lazymar+disa   # policies side by side
+
+With --caches, each (weights, batch) runs every policy in turn, so the wall speed-up
+and the FLOP ratio against NoCache are measured side by side in the same run, and each
+policy's floor is its own: its transformer and head FLOPs and the head weights it
+streams (a LazyMAR cached head evaluation reads fewer of them).
 """
 import argparse
 import os
@@ -54,6 +60,15 @@ SGEMM_SHAPES = [(2048, 2048, 2048), (5120, 3072, 768), (5120, 768, 3072), (64, 3
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
+# The policies --caches can name (issue 20's DiSA and its LazyMAR compositions among them).
+CACHES = {
+    "nocache": mc.NoCache(),
+    "lazymar": mc.LazyMAR(),
+    "disa": mc.DiSA(),
+    "lazymar+disa": mc.DiSA(inner=mc.LazyMAR()),
+    "lazymar-nohead+disa": mc.DiSA(inner=mc.LazyMAR(head_cache=False)),
+}
+
 
 def floor_seconds(report, dtype, sgemm_gflops, sgemv_gbs):
     """(transformer, head) seconds of a run at this machine's limits: the transformer's
@@ -72,6 +87,8 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(WEIGHT_BYTES),
                         help="Linear weight types to run (marcache.load's dtype)")
+    parser.add_argument("--caches", nargs="+", default=["nocache"], choices=list(CACHES),
+                        help="policies to run side by side (speed-ups are against nocache when it is listed)")
     parser.add_argument("--weights", default=os.path.join(HERE, ".cache", "mar_base_random.safetensors"))
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -97,17 +114,20 @@ def main():
         model = models[dtype]
         for batch in args.batches:
             labels = [(207 + 31 * i) % 1000 for i in range(batch)]
-            expected = mc.flops(model, steps=args.steps, cfg=args.cfg, batch=batch)
-            t0 = time.perf_counter()
-            _, info = model.generate_tokens(labels=labels, steps=args.steps, cfg=args.cfg, seed=0, return_info=True)
-            seconds = time.perf_counter() - t0
-            assert abs(info.flops - expected.total) <= 1e-9 * expected.total, (info.flops, expected.total)
-            head_s = sum(s["seconds"] for s in info.steps)
-            rows.append(dict(dtype=dtype, batch=batch, seconds=seconds, seconds_per_image=seconds / batch,
-                             tflops=info.flops / 1e12, gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s,
-                             report=expected))
-            print(f"{dtype} batch {batch}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s, "
-                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
+            for cache_name in args.caches:
+                cache = CACHES[cache_name]
+                expected = mc.flops(model, steps=args.steps, cfg=args.cfg, batch=batch, cache=cache)
+                t0 = time.perf_counter()
+                _, info = model.generate_tokens(labels=labels, steps=args.steps, cfg=args.cfg, seed=0, cache=cache,
+                                                return_info=True)
+                seconds = time.perf_counter() - t0
+                assert abs(info.flops - expected.total) <= 1e-9 * expected.total, (info.flops, expected.total)
+                head_s = sum(s["seconds"] for s in info.steps)
+                rows.append(dict(dtype=dtype, batch=batch, cache=cache_name, seconds=seconds,
+                                 seconds_per_image=seconds / batch, tflops=info.flops / 1e12,
+                                 gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s, report=expected))
+                print(f"{dtype} batch {batch} {cache_name}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s, "
+                      f"load average {os.getloadavg()[0]:.2f}", flush=True)
     peak_after, _ = sgemm_rate(SGEMM_SHAPES, 5)
     sgemv_after = sgemv_bandwidth(int(head_bytes), 5)
     peak, sgemv = max(peak_before, peak_after), max(sgemv_before, sgemv_after)
@@ -116,18 +136,24 @@ def main():
     print(f"measured sgemv bandwidth: {sgemv:.1f} GB/s (before {sgemv_before:.1f}, after {sgemv_after:.1f}); "
           f"load average {os.getloadavg()[0]:.2f}")
     table = []
+    baseline = {(r["dtype"], r["batch"]): r for r in rows if r["cache"] == "nocache"}
     for r in rows:
         transformer_s, head_s = floor_seconds(r.pop("report"), r["dtype"], peak, sgemv)
         r.update(floor_transformer_seconds=transformer_s, floor_head_seconds=head_s,
                  floor_seconds=transformer_s + head_s)
-        table.append([r["dtype"], r["batch"], f"{r['seconds_per_image']:.2f}", f"{r['tflops'] / r['batch']:.3f}",
+        base = baseline.get((r["dtype"], r["batch"]))
+        if base is not None:
+            r.update(speedup=base["seconds"] / r["seconds"], flop_ratio=base["tflops"] / r["tflops"])
+        table.append([r["dtype"], r["batch"], r["cache"], f"{r['seconds_per_image']:.2f}",
+                      f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+                      f"{r['flop_ratio']:.3f}x" if "flop_ratio" in r else "-", f"{r['tflops'] / r['batch']:.3f}",
                       f"{r['gflops_per_s']:.1f}", f"{100 * r['gflops_per_s'] / peak:.0f}%",
                       f"{r['floor_seconds'] / r['batch']:.2f} ({transformer_s / r['batch']:.2f} + "
                       f"{head_s / r['batch']:.2f})", f"{r['seconds'] / r['floor_seconds']:.2f}x"])
-    print_table(["weights", "batch", "s/image", "TFLOP/image", "achieved GFLOP/s", "% of sgemm",
-                 "floor s/image (transformer + head)", "x floor"], table)
+    print_table(["weights", "batch", "policy", "s/image", "wall speed-up", "FLOP ratio", "TFLOP/image",
+                 "achieved GFLOP/s", "% of sgemm", "floor s/image (transformer + head)", "x floor"], table)
     write_json(args.json, sgemm_peak=peak, sgemm_shapes=shapes, sgemv_gb_per_s=sgemv, rows=rows, steps=args.steps,
-               cfg=args.cfg)
+               cfg=args.cfg, caches={name: repr(CACHES[name]) for name in args.caches})
 
 
 if __name__ == "__main__":
