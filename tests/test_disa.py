@@ -256,3 +256,18 @@ def test_disa_comparison_matches_reference():
     ref, log = comparison.reference()
     assert [s["diffusion_steps"] for s in info.steps] == [e["diffusion_steps"] for e in log]
     comparison.check()
+
+
+def test_readme_digits_table_flop_ratios():
+    """The FLOP-ratio column of the README's digits DiSA table (500 digits, 16 steps, cfg 2.0,
+    batch 8): exact counts, equal to the telemetry the table was measured with."""
+    model = mc.digits.load_model(threads=1)
+    kw = dict(steps=mc.digits.STEPS, cfg=mc.digits.CFG, batch=8)
+    base = mc.flops(model, **kw).total
+    no_head = dict(head_cache=False)
+    rows = ((mc.LazyMAR(), 2.58), (mc.MARche(), 1.12), (mc.DiSA(), 1.91),
+            (mc.DiSA(inner=mc.LazyMAR(**no_head)), 2.73), (mc.DiSA(start=25, end=5, inner=mc.LazyMAR(**no_head)), 3.19),
+            (mc.DiSA(start=10, end=2, inner=mc.LazyMAR(start=1, period=16, **no_head)), 4.98),
+            (mc.DiSA(start=25, end=5, inner=mc.MARche()), 2.76))
+    for policy, ratio in rows:
+        assert base / mc.flops(model, cache=policy, **kw).total == pytest.approx(ratio, abs=0.005), policy
