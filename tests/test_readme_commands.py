@@ -57,3 +57,17 @@ def test_readme_command_runs(command, workdir):
         assert out.exists() and out.stat().st_size > 0, out
     if argv[3] == "fid":
         assert re.search(r"digits-FID: \d+\.\d+", proc.stdout), proc.stdout
+
+
+def test_readme_paths_exist_in_the_checkout():
+    """Every file the README links to or names by its repository path (a link, an image, a
+    `benchmarks/...`, `tests/...`, ... in backticks) is in the checkout: CI's clean clone holds
+    only tracked files, so a results file or plot left untracked (.gitignore ignores *.png)
+    fails here instead of showing readers a broken link."""
+    root = os.path.dirname(README)
+    text = open(README).read()
+    links = [t for t in re.findall(r"\]\(([^)#][^)]*)\)", text) if not t.startswith(("http://", "https://"))]
+    named = re.findall(r"`((?:benchmarks|tests|notebooks|csrc|marcache|tools|\.ci)/[^`\s]+\.[A-Za-z0-9]+)`", text)
+    assert links and named, "the README's links and paths were not found: has its format changed?"
+    missing = sorted({p for p in links + named if not os.path.exists(os.path.join(root, p))})
+    assert not missing, f"README.md names files that are not in the checkout: {missing}"
