@@ -7,8 +7,9 @@ Quick start::
     model = mc.load("mar_base.safetensors", vae="kl16.safetensors")
     images = model.generate(labels=[207, 360], steps=64, cfg=2.9, seed=0)  # uint8 [2, 256, 256, 3]
 """
-from ._loader import preload_blas as _preload_blas
+from ._loader import bounded_openmp_spin as _bounded_openmp_spin, preload_blas as _preload_blas
 
+_bounded_openmp_spin()
 _preload_blas()
 
 

@@ -29,6 +29,27 @@ def _prefer_avx512_kernels():
         os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
 
 
+# libgomp's spin before a waiting thread sleeps, when neither GOMP_SPINCOUNT nor
+# OMP_WAIT_POLICY is set: 300,000 iterations. See bounded_openmp_spin.
+OPENMP_SPIN_COUNT = 10000
+
+
+def bounded_openmp_spin():
+    """Bounds how long marcache's OpenMP threads spin at a barrier before they sleep,
+    unless the user chose (GOMP_SPINCOUNT or OMP_WAIT_POLICY set). libgomp's default
+    spin (300,000 iterations) is harmless on an idle machine, but when another process
+    keeps the cores busy a thread spinning at one of the engine's many short parallel
+    regions burns the time slice its partner needs, and a MAR-B batch-1 run took 4.4x
+    its idle time beside two busy loops; with 10,000 it took 2.3x (2.0x is the fair
+    share), and the idle time did not change (benchmarks/bench_busy.py,
+    benchmarks/results/busy-2026-11-27.md). libgomp reads it once, when it is loaded,
+    so it must be set before the extension is imported; it has no effect when another
+    module loaded libgomp first."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
+
+
 def preload_blas():
     try:
         import scipy_openblas32

@@ -278,6 +278,35 @@ def test_blas_core_prefers_avx512_kernels_on_amd():
         assert result.stdout.strip().lower() == _openblas_corename().lower() or "OPENBLAS_CORETYPE" in os.environ
 
 
+# ----- OpenMP spin bounded on a busy machine ------------------------------------------------------
+
+def _libgomp_spincount(**env_extra):
+    """GOMP_SPINCOUNT as libgomp itself reports it (OMP_DISPLAY_ENV=VERBOSE, printed when
+    libgomp is loaded) in a child that imports marcache."""
+    env = subprocess_env(OMP_DISPLAY_ENV="VERBOSE")
+    for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        env.pop(key, None)
+    env.update(env_extra)
+    result = subprocess.run([sys.executable, "-c", "import marcache"], capture_output=True, text=True, timeout=120,
+                            env=env, cwd=TESTS_DIR)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip().startswith("GOMP_SPINCOUNT")]
+    assert len(lines) == 1, result.stderr
+    return lines[0].split("=", 1)[1].strip().strip("'")
+
+
+def test_openmp_spin_is_bounded_unless_the_user_chose():
+    """README threads: marcache bounds libgomp's spin at barriers to 10,000 iterations (its
+    default, 300,000, made a MAR-B run 4.4x slower beside two busy processes; 2.3x with the
+    bound; benchmarks/bench_busy.py), and leaves GOMP_SPINCOUNT and OMP_WAIT_POLICY alone when
+    the user set either. Read from libgomp's own report, so the setting is shown to reach it."""
+    from marcache._loader import OPENMP_SPIN_COUNT
+
+    assert _libgomp_spincount() == str(OPENMP_SPIN_COUNT) == "10000"
+    assert _libgomp_spincount(GOMP_SPINCOUNT="77") == "77"
+    assert _libgomp_spincount(OMP_WAIT_POLICY="ACTIVE") != "10000"
+
+
 # ----- fp16 overflows above 65504 ------------------------------------------------------------
 
 def test_fp16_overflows_above_65504_as_autocast_does(tiny_path):
