@@ -82,3 +82,19 @@ def write_json(path, **results):
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def start_busy(count):
+    """`count` plain Python processes spinning `while True: pass` at this process's
+    priority: the "busy machine" of bench_official.py and bench_busy.py."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop_busy(procs):
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()

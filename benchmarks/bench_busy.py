@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from _common import start_busy, stop_busy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {
     "libgomp default (GOMP_SPINCOUNT=300000)": {"GOMP_SPINCOUNT": "300000"},
@@ -72,10 +74,8 @@ def main():
     seconds = {(name, load): [] for name in SETTINGS for load in ("idle", "busy")}
     for r in range(args.rounds):
         for load in ("idle", "busy"):
-            spinners = []
-            if load == "busy":
-                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                            for _ in range(args.busy_procs)]
+            spinners = start_busy(args.busy_procs) if load == "busy" else []
+            if spinners:
                 time.sleep(0.5)
             try:
                 for name, extra in SETTINGS.items():
@@ -83,9 +83,7 @@ def main():
                     seconds[(name, load)].append(s)
                     print(f"round {r} {load}: {name}: {s:.2f} s", flush=True)
             finally:
-                for proc in spinners:
-                    proc.kill()
-                    proc.wait()
+                stop_busy(spinners)
     print()
     print("| setting | idle s (median) | busy s (median) | busy / idle |")
     print("|---|---|---|---|")

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from _common import print_machine, print_table, sgemm_rate, write_json
+from _common import print_machine, print_table, sgemm_rate, start_busy, stop_busy, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Official sampler's model names -> marcache's reference shapes (tests/reference/mar.py).
@@ -89,17 +89,6 @@ def timed(cmd, env):
         raise SystemExit(f"bench_official: {' '.join(cmd[:3])} ... failed ({proc.returncode}):\n"
                          f"{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def start_busy(count):
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-
-
-def stop_busy(procs):
-    for p in procs:
-        p.kill()
-    for p in procs:
-        p.wait()
 
 
 def main():
