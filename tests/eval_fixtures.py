@@ -4,7 +4,6 @@ an FID-Inception of the real topology at 1/16 width (128-d features, 10 classes)
 12 random reference images, also as a PNG folder. The numbers test the plumbing, not
 image quality."""
 import os
-import sys
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -13,13 +12,14 @@ from mar_fixtures import write_tiny_mar
 from marcache.png import write_png
 from reference import inception as RI
 from reference import vae as ref_vae
+from child_env import child_env
 
 # the working directory of every subprocess: never the clone's root, whose unbuilt
 # marcache/ source folder would shadow the installed package
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # ...and this session's import path, so a child finds the marcache under test (an in-place
 # build at the root, or the installed one) from there
-CHILD_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+CHILD_ENV = child_env()
 
 
 def write_tiny_eval_files(d):

@@ -4,6 +4,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from reference import mar as R
+from child_env import child_env
 
 TINY = dict(dim=32, depth=2, heads=2, head_width=32, head_depth=2)
 
@@ -157,7 +158,7 @@ def guard_generate_json(path, policies, diffusion_steps=100, **kw):
     code = (f"import json, marcache as mc; m = mc.load({str(path)!r}, diffusion_steps={diffusion_steps}, "
             f"device='guard'); print(json.dumps([m.generate_tokens(cache=p, **{kw!r}).tolist() "
             f"for p in [{', '.join(policies)}]]))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]

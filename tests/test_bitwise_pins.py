@@ -32,6 +32,7 @@ import sys
 
 import numpy as np
 import pytest
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -204,7 +205,7 @@ def test_guard_tokens_equal_the_pins(tmp_path):
     code = ("import json, pathlib, sys; sys.path.insert(0, %r); import test_bitwise_pins as t; "
             "print(json.dumps(t.compute_pins(pathlib.Path(%r), 'guard', t.GUARD_MODELS, t.GUARD_SEEDS)))"
             % (HERE, str(tmp_path)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from marcache import _C
+from child_env import child_env
 
 INFO = _C.build_info()
 CUDA_BUILT = INFO["cuda"]
@@ -135,14 +136,8 @@ def run_child(code, **env):
     import json
     import subprocess
 
-    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    for key, value in env.items():
-        if value is None:
-            child_env.pop(key, None)
-        else:
-            child_env[key] = value
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.abspath(__file__)), env=child_env)
+                          cwd=os.path.dirname(os.path.abspath(__file__)), env=child_env(**env))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

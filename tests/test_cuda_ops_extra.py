@@ -24,6 +24,7 @@ import pytest
 
 from marcache import _C
 from test_ops import CASES, attention_builder, check_scaled
+from child_env import child_env
 
 pytestmark = pytest.mark.skipif("cuda" not in _C.backends(),
                                 reason="no usable CUDA device (marcache._C.backends() == %r)"
@@ -123,7 +124,7 @@ def test_sync_after_each_launch_gives_the_same_bits():
             % (here, os.path.dirname(here), ids))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.npz")
-        env = dict(os.environ, MARCACHE_CUDA_SYNC="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = child_env(MARCACHE_CUDA_SYNC="1")
         subprocess.run([sys.executable, "-c", code, path], env=env, check=True, timeout=300,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
         synced = np.load(path)

@@ -26,6 +26,7 @@ from mar_fixtures import write_tiny_mar
 from tolerance import assert_close, scaled_atol, worst_share
 from reference import inception as RI
 from reference import vae as ref_vae
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HAS_CUDA = "cuda" in _C.backends()
@@ -42,16 +43,11 @@ POLICIES = {
 }
 
 
-def child_env():
-    """This session's import path (conftest picks the in-place or the installed build)."""
-    return dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-
-
 def run_isolated(code, timeout=600):
     """Runs `code` in a fresh interpreter (cwd tests/, this session's import path) and returns
     its last stdout line parsed as JSON; a crash fails the test with its signal and output."""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=child_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=child_env(PYTHONFAULTHANDLER="1"),
+                          capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         how = ("killed by signal %d" % -proc.returncode) if proc.returncode < 0 else "exit %d" % proc.returncode
         pytest.fail("subprocess %s\n--- stdout\n%s\n--- stderr\n%s" % (how, proc.stdout[-3000:],
@@ -74,7 +70,8 @@ def test_guard_probe_faults_on_host_access():
     read directly on the host kills the process. Without this the guard tests prove nothing."""
     assert _C._guard_probe(False) == 42.0
     proc = subprocess.run([sys.executable, "-c", "import marcache; marcache._C._guard_probe(True)"],
-                          cwd=HERE, env=child_env(), capture_output=True, text=True, timeout=120)
+                          cwd=HERE, env=child_env(PYTHONFAULTHANDLER="1"), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == -11, (proc.returncode, proc.stderr[-2000:])
 
 

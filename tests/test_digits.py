@@ -14,6 +14,7 @@ import marcache as mc
 from marcache import digits
 from marcache.demo import default_policies, evaluate_policies
 from marcache.png import read_png
+from child_env import child_env
 
 N_PER_CLASS = 50
 
@@ -154,7 +155,7 @@ def test_every_cache_policy_keeps_accuracy(policy_rows):
 def test_demo_cli_writes_png_and_table(tmp_path):
     out = tmp_path / "demo.png"
     # the child imports the marcache under test (an in-place build or the installed one)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "marcache", "demo", "--out", str(out), "--per-class", "2"],
                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from mar_fixtures import write_tiny_mar
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -96,8 +97,7 @@ print(json.dumps(out))
 def counts(tmp_path_factory):
     path = tmp_path_factory.mktemp("flop_counts") / "tiny_mar.safetensors"
     write_tiny_mar(path, seed=11, depth=4)
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    env.pop("MARCACHE_GUARD_UNSUPPORTED", None)
+    env = child_env(PYTHONFAULTHANDLER="1", MARCACHE_GUARD_UNSUPPORTED=None)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps([str(path), POLICIES, RUNS, AR_STEPS])],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

@@ -2,7 +2,6 @@
 digits model, small: every number of a row against an independent computation (FLOPs
 from marcache.flops, accuracy and digits-FID from the images generated again), the
 Pareto flags against a brute-force check, bad input, the optional matplotlib."""
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 import marcache as mc
 from marcache import eval as E
+from child_env import child_env
 
 STEPS, CFG, N = 3, 2.0, 20
 
@@ -91,7 +91,7 @@ def test_frontier_bad_input():
 
 def test_demo_frontier_cli(tmp_path):
     out = tmp_path / "f.png"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "marcache", "demo", "--frontier", "--per-class", "1", "--steps", "2",
                            "--batch", "5", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=900)

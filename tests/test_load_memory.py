@@ -25,6 +25,7 @@ from marcache import _C
 from mar_fixtures import save_bf16, write_tiny_mar
 from reference import ops as ref_ops
 from reference import vae as ref_vae
+from child_env import child_env
 
 PIECE = 1 << 20  # source elements per piece (MC_BIND_PIECE_FLOATS)
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -141,7 +142,7 @@ def rss_files(tmp_path_factory):
 def test_load_peak_rss_stays_near_the_weights(rss_files, kind, dtype):
     # The child imports the marcache this process tests (conftest's sys.path: the in-place
     # build, or the installed package when the source tree has no build, as in CI).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     probe = os.path.join(TESTS_DIR, "load_probe.py")
     done = subprocess.run([sys.executable, probe, kind, rss_files[kind], dtype, "--reset-peak"],
                           capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=300)

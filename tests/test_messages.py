@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 import marcache as mc
 from marcache import _C, digits
 from mar_fixtures import write_tiny_mar
+from child_env import child_env
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_progress_auto_shows_no_bar_when_stderr_is_not_a_terminal():
             "m.generate_tokens(labels=[1], steps=3, progress='auto'); "
             "m.generate_tokens(labels=[1], steps=3, progress=True)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(__file__),
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)), timeout=600)
+                          env=child_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # exactly one bar (progress=True), none from progress="auto" on a pipe
     assert proc.stderr.count("0/3") == 1, proc.stderr

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from mar_fixtures import write_tiny_mar
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,8 +51,7 @@ print(json.dumps(out))
 
 
 def run_child(path, unsupported):
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-               MARCACHE_GUARD_UNSUPPORTED=unsupported)
+    env = child_env(PYTHONFAULTHANDLER="1", MARCACHE_GUARD_UNSUPPORTED=unsupported)
     return subprocess.run([sys.executable, "-c", CHILD, str(path)], cwd=HERE, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -17,6 +17,7 @@ from marcache import _C
 from reference import var as RV
 from tolerance import assert_close, scaled_atol
 from var_fixtures import TINY, write_tiny_var
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -166,7 +167,7 @@ def test_guard_equals_cpu(tiny, tmp_path):
     labels = [1, 10]
     inputs = ref.scale_inputs(np.array(labels), random_next_maps(np.random.default_rng(6), 2, ref))
     np.save(tmp_path / "inputs.npy", inputs.astype(np.float32))
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env(PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-c", GUARD_CHILD, path, json.dumps(labels), str(tmp_path / "inputs.npy")],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

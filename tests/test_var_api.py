@@ -21,6 +21,7 @@ from reference import inception as RI
 from reference import vae as ref_vae
 from var_api_files import TINY_VAR, write_tiny_var, write_tiny_vqvae, write_var_with_metadata
 from readme_blocks import readme_sweep_example
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 README = os.path.join(os.path.dirname(HERE), "README.md")
@@ -293,7 +294,7 @@ def test_guard_equals_cpu_bitwise(files):
             "    out[dev] = [t.tolist(), f.tobytes().hex(), s.tolist(), g.tobytes().hex()]\n"
             "print(json.dumps(out))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+                          env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["guard"] == out["cpu"]

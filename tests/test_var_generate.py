@@ -24,6 +24,7 @@ from reference import var as RV
 from reference import vqvae as RVQ
 from tolerance import assert_close, scaled_atol
 from var_fixtures import TINY, TINY_VQ, module_fixtures
+from child_env import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Near-tie windows (see the module docstring and notes/var-model.md): logit gaps relative to
@@ -195,7 +196,7 @@ def test_guard_equals_cpu_and_counts_the_telemetry_flops(files):
     """On the guard backend the tokens and f_hat equal the CPU's bit for bit, and the FLOPs
     the guard dispatches in each scale equal that scale's telemetry exactly."""
     var_path, _, vq_path, _ = files
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env(PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-c", GUARD_CHILD, var_path, vq_path], cwd=HERE, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

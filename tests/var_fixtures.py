@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 
 from reference import var as RV
 from reference import vqvae as RVQ
+from child_env import child_env
 
 # depth 2, width 128, 2 heads of 64, vocab 64, 4 scales (30 tokens); scale_mul spans the
 # ln 100 cap (ln 2 .. ln 400 over the 4 heads).
@@ -120,7 +121,7 @@ def generate_on_guard_and_cpu(var_path, vq_path, caches):
     host read of guard memory kills it, and the test fails with its output): (whether
     every run's tokens and f_hat are the CPU's bit for bit, [(FLOPs the guard dispatched
     per scale, the telemetry's per scale)] per run)."""
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env(PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-c", _GUARD_CHILD, var_path, vq_path, json.dumps(caches)],
                           cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True,
                           timeout=600)
