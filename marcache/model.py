@@ -82,6 +82,40 @@ class GenerationInfo:
     def seconds(self):
         return self.seconds_transformer_and_head + self.seconds_decode
 
+    @property
+    def phases(self):
+        """Where the generation's work went, for a MAR model: {"encoder", "decoder", "head",
+        "other"} -> {"seconds", "flops", "weight_bytes", "gflops_per_s", "gb_per_s"}, summed
+        over the steps. encoder and decoder are their transformer blocks, head the diffusion
+        head's sampling (its condition embedding and every diffusion step), other the rest
+        of the steps (embeddings, output rows, the cache policy's bookkeeping; no decode).
+        flops: GEMMs and attention matmuls (marcache.flops's rules); weight_bytes: the
+        Linear weight matrices streamed (each once per call), in the stored dtype, so
+        gb_per_s against a measured sgemv bandwidth says how close a small-batch phase is
+        to the memory floor, and gflops_per_s against the sgemm rate how close a large one
+        is to the arithmetic floor (benchmarks/bench_cpu.py prints both). Seconds are host
+        time, which on a GPU is only the enqueueing: there seconds, and the rates, are None.
+        None for a VAR model (its steps are scales, with no such phases)."""
+        if not self.steps or "phases" not in self.steps[0]:
+            return None
+        out = {}
+        for name in ("encoder", "decoder", "head"):
+            parts = [s["phases"][name] for s in self.steps]
+            timed = all(p["seconds"] is not None for p in parts)
+            out[name] = dict(seconds=sum(p["seconds"] for p in parts) if timed else None,
+                             flops=float(sum(p["flops"] for p in parts)),
+                             weight_bytes=float(sum(p["weight_bytes"] for p in parts)))
+        timed = out["head"]["seconds"] is not None
+        rest = sum(s["seconds"] for s in self.steps) - sum(out[n]["seconds"] for n in ("encoder", "decoder", "head")) \
+            if timed else None
+        out["other"] = dict(seconds=rest, flops=self.flops - sum(out[n]["flops"] for n in ("encoder", "decoder", "head")),
+                            weight_bytes=None)
+        for phase in out.values():
+            sec = phase["seconds"]
+            phase["gflops_per_s"] = phase["flops"] / sec / 1e9 if sec else None
+            phase["gb_per_s"] = phase["weight_bytes"] / sec / 1e9 if sec and phase["weight_bytes"] else None
+        return out
+
 
 class PixelDecoder:
     """The decoder of a pixel-token MAR (the shipped digits model): the identity "VAE".

@@ -119,6 +119,11 @@ extern const char *const mc_op_names[MC_OP_COUNT];
 
 struct mc_ops {
     const char *name;
+    /* 1 when every op has finished when it returns (CPU, guard), so host
+     * time around a group of ops is their compute time (the per-phase
+     * seconds of the telemetry); 0 on a backend that queues work (CUDA),
+     * where that time is only the enqueueing and is not reported. */
+    int synchronous;
     void (*destroy)(mc_backend *be);
 
     /* memory. `what` names the buffer ("the K/V cache of encoder block 3") for

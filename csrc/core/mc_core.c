@@ -3,6 +3,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 mc_status mc_fail(mc_err *err, mc_status status, const char *fmt, ...) {
     if (err == NULL)
@@ -101,3 +102,9 @@ void *mc_aligned_alloc(size_t bytes) {
 }
 
 void mc_aligned_free(void *p) { free(p); }
+
+double mc_seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}

@@ -95,4 +95,7 @@ int mc_mul_overflows(size_t a, size_t b, size_t *out);
 void *mc_aligned_alloc(size_t bytes);
 void mc_aligned_free(void *p);
 
+/* Seconds on a monotonic clock (step and phase telemetry). */
+double mc_seconds_now(void);
+
 #endif

@@ -432,9 +432,8 @@ static mc_status store_kv(mc_mar *m, const float *qkv, int64_t q_rows, int64_t d
     return MC_OK;
 }
 
-mc_status mc_mar_block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq,
-                            int64_t q_rows, int64_t dim, int64_t heads, const mc_mar_kv_io *io,
-                            mc_err *err) {
+static mc_status block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
+                            int64_t dim, int64_t heads, const mc_mar_kv_io *io, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const int64_t rows = n_seq * q_rows;
@@ -466,7 +465,7 @@ mc_status mc_mar_block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_
                        x, dim, err);
 }
 
-mc_status mc_mar_block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t rows, int64_t dim,
+static mc_status block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t rows, int64_t dim,
                            int64_t hidden, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
@@ -485,6 +484,40 @@ mc_status mc_mar_block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t
         MC_TRY(ops->linear(be, mlp_hidden, hidden, n, hidden, blk->fc2_w, blk->fc2_b, dim,
                            MC_ACT_NONE, 1.0f, xr, dim, err));
     }
+    return MC_OK;
+}
+
+/* The meter of the blocks `blk` is one of. */
+static mc_phase_meter *block_meter(mc_mar *m, const mc_mar_block *blk) {
+    return blk >= m->enc_blocks && blk < m->enc_blocks + m->config.enc_depth ? &m->encoder_meter
+                                                                              : &m->decoder_meter;
+}
+
+/* Host time only where it is compute time (mc_ops.synchronous). */
+static double meter_seconds(const mc_mar *m, double t0) {
+    return m->backend->ops->synchronous ? mc_seconds_now() - t0 : 0.0;
+}
+
+mc_status mc_mar_block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
+                            int64_t dim, int64_t heads, const mc_mar_kv_io *io, mc_err *err) {
+    const double t0 = mc_seconds_now();
+    MC_TRY(block_attn(m, blk, x, n_seq, q_rows, dim, heads, io, err));
+    const int64_t keys = io != NULL && io->k_attend != NULL ? io->attend_rows : q_rows;
+    /* qkv [3 dim, dim] and proj [dim, dim] */
+    mc_phase_meter_add(block_meter(m, blk), meter_seconds(m, t0), mc_flops_block_attn(n_seq, q_rows, keys, dim),
+                       4.0 * (double)dim * (double)dim * (double)mc_wtype_size(m->backend->linear_wtype));
+    return MC_OK;
+}
+
+mc_status mc_mar_block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t rows, int64_t dim,
+                           int64_t hidden, mc_err *err) {
+    const double t0 = mc_seconds_now();
+    MC_TRY(block_mlp(m, blk, x, rows, dim, hidden, err));
+    /* fc1 and fc2 [hidden, dim] each, read again by every chunk of rows */
+    const int64_t chunks = (rows + MAR_MLP_CHUNK_ROWS - 1) / MAR_MLP_CHUNK_ROWS;
+    mc_phase_meter_add(block_meter(m, blk), meter_seconds(m, t0), mc_flops_block_mlp(rows, dim, hidden),
+                       (double)chunks * 2.0 * (double)dim * (double)hidden *
+                           (double)mc_wtype_size(m->backend->linear_wtype));
     return MC_OK;
 }
 

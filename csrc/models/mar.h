@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "../backend/ops.h"
+#include "block_cost.h"
 #include "../backend/workspace.h"
 #include "../io/bind.h"
 #include "../io/safetensors.h"
@@ -101,6 +102,10 @@ typedef struct mc_mar {
     float *base_time_embeddings;
 
     mc_mar_acts acts;
+    /* Phase telemetry: every mc_mar_block_attn / mc_mar_block_mlp call adds
+     * to the meter of the blocks it ran (encoder or decoder), whichever
+     * policy called it; the sampler reports each AR step's share. */
+    mc_phase_meter encoder_meter, decoder_meter;
     mc_mar_attached runtime; /* runtime/mar_workspace.h */
     void *head_graph; /* the backend's recorded head sampler steps, or NULL */
 } mc_mar;

@@ -71,6 +71,18 @@ static int claim(PyMAR *self) {
     return 0;
 }
 
+/* {"seconds": float or None, "flops": float, "weight_bytes": float} */
+static PyObject *phase_dict(const mc_phase_meter *m, int timed) {
+    PyObject *seconds = timed ? PyFloat_FromDouble(m->seconds) : Py_None;
+    if (seconds == NULL)
+        return NULL;
+    PyObject *d = Py_BuildValue("{s:O,s:d,s:d}", "seconds", seconds, "flops", m->flops, "weight_bytes",
+                                m->weight_bytes);
+    if (timed)
+        Py_DECREF(seconds);
+    return d;
+}
+
 /* MAR's tail of a step dict; with trace_rows, the kept (active) rows of a
  * cached step as int32 [sequences, rows]. */
 static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
@@ -85,6 +97,18 @@ static int mar_tail_dict(PyObject *d, const void *opaque, void *trace_rows) {
                                    s->head_graph ? Py_True : Py_False, "diffusion_steps", s->diffusion_steps);
     int rc = tail == NULL ? -1 : PyDict_Update(d, tail);
     Py_XDECREF(tail);
+    if (rc == 0) {
+        PyObject *enc = phase_dict(&s->encoder, s->phases_timed), *dec = phase_dict(&s->decoder, s->phases_timed),
+                 *head = phase_dict(&s->head, s->phases_timed);
+        PyObject *phases = enc && dec && head ? Py_BuildValue("{s:O,s:O,s:O}", "encoder", enc, "decoder", dec,
+                                                              "head", head)
+                                              : NULL;
+        rc = phases == NULL || PyDict_SetItemString(d, "phases", phases) < 0 ? -1 : 0;
+        Py_XDECREF(enc);
+        Py_XDECREF(dec);
+        Py_XDECREF(head);
+        Py_XDECREF(phases);
+    }
     if (rc == 0 && *(const int *)trace_rows && s->kept_rows != NULL) {
         npy_intp dims[2] = {(npy_intp)s->kept_sequences, (npy_intp)s->kept_per_sequence};
         PyObject *rows = PyArray_SimpleNew(2, dims, NPY_INT32);

@@ -1,13 +1,5 @@
 #include "driver.h"
 
-#include <time.h>
-
-static double seconds_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void host_release(const mc_driver_host *host) {
     if (host != NULL && host->release != NULL)
         host->release(host->ctx);
@@ -24,14 +16,14 @@ mc_status mc_generate(const mc_generator_ops *gen, void *run, mc_backend *backen
     host_release(host);
     mc_status st = gen->begin(run, &num_steps, err);
     for (int step = 0; st == MC_OK && step < num_steps; step++) {
-        const double t0 = seconds_now();
+        const double t0 = mc_seconds_now();
         const int64_t allocations = backend->allocations, waits = backend->syncs;
         mc_step_header header = {.step = step, .num_steps = num_steps};
         const void *tail = NULL;
         st = gen->step(run, step, &header, &tail, err);
         if (st != MC_OK)
             break;
-        header.seconds = seconds_now() - t0;
+        header.seconds = mc_seconds_now() - t0;
         header.allocations = backend->allocations - allocations;
         header.host_waits = backend->syncs - waits;
         if (host != NULL && host->on_step != NULL) {

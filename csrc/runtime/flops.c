@@ -1,14 +1,5 @@
 #include "flops.h"
 
-double mc_flops_block_attn(int64_t n_seq, int64_t q_rows, int64_t keys, int64_t dim) {
-    double rows = (double)(n_seq * q_rows), x = (double)dim;
-    return 2.0 * rows * x * 3.0 * x + 2.0 * rows * x * x + 4.0 * rows * (double)keys * x;
-}
-
-double mc_flops_block_mlp(int64_t rows, int64_t dim, int64_t hidden) {
-    return 4.0 * (double)rows * (double)dim * (double)hidden;
-}
-
 double mc_flops_mar_encoder(const mc_mar_config *c, int64_t n_seq, int64_t new_tokens, int64_t q_rows,
                             int64_t keys) {
     const int64_t D = c->width;

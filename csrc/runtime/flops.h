@@ -6,13 +6,11 @@
 
 #include <stdint.h>
 
+#include "../models/block_cost.h" /* mc_flops_block_attn, mc_flops_block_mlp */
 #include "../models/mar.h"
 #include "../models/var.h"
 #include "head_cache.h"
 
-/* qkv + proj of q_rows rows per sequence, and attention against `keys` rows. */
-double mc_flops_block_attn(int64_t n_seq, int64_t q_rows, int64_t keys, int64_t dim);
-double mc_flops_block_mlp(int64_t rows, int64_t dim, int64_t hidden);
 /* MAR encoder pass: z_proj of `new_tokens` tokens per sequence, the encoder
  * blocks on q_rows rows against `keys` rows, decoder_embed of the q_rows rows. */
 double mc_flops_mar_encoder(const mc_mar_config *c, int64_t n_seq, int64_t new_tokens, int64_t q_rows,

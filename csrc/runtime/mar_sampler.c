@@ -64,8 +64,13 @@ static void head_step_stats(const head_loop *h, int j, mc_head_stats *stats) {
     const int full = mc_head_mode_full(mode);
     const int64_t eval_rows = full ? h->rows : h->n;
     const mc_head_cache *cache = h->plan.cache;
-    stats->flops += mc_flops_head_eval(&h->mar->config, eval_rows, full ? h->n : eval_rows, mode,
-                                       cache ? cache->skip_first : 0, cache ? cache->skip_last : -1);
+    const int skip_first = cache ? cache->skip_first : 0, skip_last = cache ? cache->skip_last : -1;
+    stats->flops += mc_flops_head_eval(&h->mar->config, eval_rows, full ? h->n : eval_rows, mode, skip_first,
+                                       skip_last);
+    /* Every term of an evaluation's FLOPs is 2 x rows x one weight's size,
+     * so one row's FLOPs / 2 is the weights it reads, whatever its rows. */
+    stats->weight_bytes += mc_flops_head_eval(&h->mar->config, 1, 1, mode, skip_first, skip_last) / 2.0 *
+                           (double)mc_wtype_size(h->mar->backend->linear_wtype);
     if (full)
         stats->full_evaluations++;
     else
@@ -175,6 +180,7 @@ mc_status mc_mar_head_sample_ex(mc_mar *mar, const mc_diffusion *diffusion, cons
 
     MC_TRY(mc_mar_head_cond(mar, call->z, h.rows, h.c_emb, err));
     stats->flops += 2.0 * (double)h.rows * (double)(c->dec_width * W);
+    stats->weight_bytes += (double)(c->dec_width * W) * (double)mc_wtype_size(be->linear_wtype);
     /* Initial noise is not scaled by temperature (mar.md 6.5). */
     MC_TRY(ops->token_normals(be, call->seed, MC_STREAM_HEAD_INIT, 0, d_images, d_positions, n, (int)C, h.state,
                               err));
@@ -423,6 +429,9 @@ static mc_status run_step(void *opaque, int step, mc_step_header *header, const 
      * nothing (mar.md 7.5); their transformer pass would be wasted. */
     mc_mar_transformer_stats tstats = {.full = 1};
     mc_head_stats hstats = {0};
+    const int be_synchronous = mar->backend->ops->synchronous;
+    const mc_phase_meter encoder_before = mar->encoder_meter, decoder_before = mar->decoder_meter;
+    mc_phase_meter head_meter = {0};
     int guided = r->cfg_on;
     if (n_head > 0) {
         mc_mar_step ms = {.step = step, .num_steps = num_steps, .n_images = B, .cfg_on = r->cfg_on,
@@ -431,6 +440,7 @@ static mc_status run_step(void *opaque, int step, mc_step_header *header, const 
                           .n_out = r->cfg_on ? 2 * n_head : n_head};
         memset(&tstats, 0, sizeof tstats);
         MC_TRY(policy->ops->transformer(policy->state, &ms, r->z, &tstats, err));
+        const double head_t0 = mc_seconds_now();
         mc_mar_head_call call = {.z = r->z, .n = n_head, .cfg = cfg_iter, .temperature = r->args.temperature,
                                  .seed = r->args.seed, .images = r->images, .positions = r->positions};
         MC_TRY(policy->ops->head_plan(policy->state, &ms, r->diffusion->n_steps, &call.plan, err));
@@ -439,6 +449,8 @@ static mc_status run_step(void *opaque, int step, mc_step_header *header, const 
             call.cfg = cfg_iter = 1.0f;
         guided = call.cfg_on;
         MC_TRY(mc_mar_head_sample_ex(mar, r->diffusion, &call, &hstats, err));
+        head_meter = (mc_phase_meter){be_synchronous ? mc_seconds_now() - head_t0 : 0.0, hstats.flops,
+                                      hstats.weight_bytes};
         MC_TRY(scatter_sampled(r, n_head, err));
     }
     for (int64_t b = 0; b < B; b++)
@@ -462,6 +474,10 @@ static mc_status run_step(void *opaque, int step, mc_step_header *header, const 
         .kept_rows = n_head ? tstats.kept_rows : NULL,
         .kept_sequences = tstats.kept_sequences,
         .kept_per_sequence = tstats.kept_per_sequence,
+        .encoder = mc_phase_meter_since(&mar->encoder_meter, &encoder_before),
+        .decoder = mc_phase_meter_since(&mar->decoder_meter, &decoder_before),
+        .head = head_meter,
+        .phases_timed = be_synchronous,
     };
     *tail = &r->tail;
     return MC_OK;

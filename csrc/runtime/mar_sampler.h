@@ -32,6 +32,14 @@ typedef struct mc_mar_step_tail {
     int diffusion_steps;      /* respaced DDPM steps the head sampled with (0 on a step that predicts nothing) */
     const int32_t *kept_rows; /* see mc_mar_transformer_stats; valid during the callback only */
     int64_t kept_sequences, kept_per_sequence;
+    /* Where the step's work went (models/block_cost.h): the encoder's and
+     * the decoder's blocks, and the head's sampling (cond_embed and every
+     * diffusion step). The rest of the step (embeddings, output rows, the
+     * policy's bookkeeping) is the header's seconds less these. Their
+     * seconds are compute time only when phases_timed (a synchronous
+     * backend, mc_ops.synchronous); otherwise they are not reported. */
+    mc_phase_meter encoder, decoder, head;
+    int phases_timed;
 } mc_mar_step_tail;
 
 typedef struct mc_mar_generate_args {
@@ -72,6 +80,7 @@ mc_status mc_mar_head_sample(mc_mar *mar, const mc_diffusion *diffusion, const f
 typedef struct mc_head_stats {
     int64_t full_evaluations, cached_evaluations;
     double flops;
+    double weight_bytes; /* Linear weights streamed: cond_embed once, each evaluation's layers once */
     int graph; /* 1 when the diffusion steps after the first ran as one recorded graph */
     int diffusion_steps; /* of the respacing used (the policy's or the run's) */
 } mc_head_stats;

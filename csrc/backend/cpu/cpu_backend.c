@@ -149,6 +149,7 @@ static void cpu_destroy(mc_backend *be) {
 
 static const mc_ops cpu_ops = {
     .name = "cpu",
+    .synchronous = 1,
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
     .release = cpu_release,

@@ -273,6 +273,7 @@ static void guard_graph_free(mc_backend *be, void *graph) {
 
 static const mc_ops guard_ops = {
     .name = "guard",
+    .synchronous = 1,
     .destroy = guard_destroy,
     .alloc = guard_alloc,
     .release = guard_release,
