@@ -6,6 +6,10 @@ achieved GFLOP/s (exact FLOPs from marcache.flops, the same count as the
 engine's telemetry) next to the sgemm rate measured in the same run on the
 same machine with the same thread pool.
 
+A second table splits each run by phase (encoder blocks, decoder blocks, head, the rest),
+from the engine's telemetry (info.phases): each phase's GFLOP/s and weight GB/s beside
+the sgemm rate and sgemv bandwidth, and its time over its own floor.
+
 The floor of each configuration, beside its measured time: the transformer's FLOPs
 (encoder + decoder) at the measured sgemm rate, plus the head at its roofline, the
 larger of its FLOPs at the sgemm rate and the bytes of head weights it streams
@@ -80,6 +84,25 @@ def floor_seconds(report, dtype, sgemm_gflops, sgemv_gbs):
     return transformer, head
 
 
+def phase_rows(rows, sgemm_gflops, sgemv_gbs):
+    """One table row per (run, phase) of the telemetry: its seconds per image, its share of
+    the run's, its rates against the machine's two limits and its time over its floor."""
+    out = []
+    for r in rows:
+        total = sum(p["seconds"] for p in r["phases"].values())
+        for name, p in r["phases"].items():
+            floor = p["flops"] / (sgemm_gflops * 1e9)
+            if p["weight_bytes"]:
+                floor = max(floor, p["weight_bytes"] / (sgemv_gbs * 1e9))
+            gbs = p["gb_per_s"]
+            out.append([r["dtype"], r["batch"], r["cache"], name, f"{p['seconds'] / r['batch']:.2f}",
+                        f"{100 * p['seconds'] / total:.0f}%", f"{p['gflops_per_s']:.1f}",
+                        f"{100 * p['gflops_per_s'] / sgemm_gflops:.0f}%", "-" if gbs is None else f"{gbs:.1f}",
+                        "-" if gbs is None else f"{100 * gbs / sgemv_gbs:.0f}%",
+                        f"{p['seconds'] / floor:.2f}x" if floor > 0 else "-"])
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=64)
@@ -123,9 +146,12 @@ def main():
                 seconds = time.perf_counter() - t0
                 assert abs(info.flops - expected.total) <= 1e-9 * expected.total, (info.flops, expected.total)
                 head_s = sum(s["seconds"] for s in info.steps)
+                phases = info.phases
+                assert phases["head"]["flops"] == expected.head, (phases["head"]["flops"], expected.head)
                 rows.append(dict(dtype=dtype, batch=batch, cache=cache_name, seconds=seconds,
                                  seconds_per_image=seconds / batch, tflops=info.flops / 1e12,
-                                 gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s, report=expected))
+                                 gflops_per_s=info.flops / seconds / 1e9, loop_seconds=head_s, report=expected,
+                                 phases=phases))
                 print(f"{dtype} batch {batch} {cache_name}: {seconds:.1f} s, {info.flops / seconds / 1e9:.1f} GFLOP/s, "
                       f"load average {os.getloadavg()[0]:.2f}", flush=True)
     peak_after, _ = sgemm_rate(SGEMM_SHAPES, 5)
@@ -152,6 +178,12 @@ def main():
                       f"{head_s / r['batch']:.2f})", f"{r['seconds'] / r['floor_seconds']:.2f}x"])
     print_table(["weights", "batch", "policy", "s/image", "wall speed-up", "FLOP ratio", "TFLOP/image",
                  "achieved GFLOP/s", "% of sgemm", "floor s/image (transformer + head)", "x floor"], table)
+    print()
+    print(f"Per phase (the engine's telemetry, info.phases), beside this run's sgemm rate {peak:.1f} GFLOP/s and "
+          f"sgemv bandwidth {sgemv:.1f} GB/s. A phase's floor is the larger of its FLOPs at the sgemm rate and its "
+          f"weight bytes at the sgemv bandwidth; 'x floor' is its seconds over that.")
+    print_table(["weights", "batch", "policy", "phase", "s/image", "share", "GFLOP/s", "% of sgemm",
+                 "weight GB/s", "% of sgemv", "x floor"], phase_rows(rows, peak, sgemv))
     write_json(args.json, sgemm_peak=peak, sgemm_shapes=shapes, sgemv_gb_per_s=sgemv, rows=rows, steps=args.steps,
                cfg=args.cfg, caches={name: repr(CACHES[name]) for name in args.caches})
 

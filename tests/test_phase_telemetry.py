@@ -87,7 +87,8 @@ def test_head_phase_equals_marcache_flops_and_the_phases_add_up(tiny_path, backe
     """The head meter's FLOPs and weight bytes summed over the steps equal marcache.flops's
     head and head_params_read x 4 (fp32) for every policy, head caches and respacings
     included; encoder + decoder + head + other equal the step totals; on a synchronous
-    backend every phase is timed and the phases fit inside the steps' own seconds."""
+    backend every phase is timed and the phases fit inside the steps' own seconds; on CUDA
+    none is."""
     cache = eval(policy)
     m = mc.load(tiny_path, device=backend, diffusion_steps=DIFFUSION_STEPS)
     _, info = m.generate_tokens(labels=[3, 7], steps=STEPS, cfg=CFG, cache=cache, return_info=True)
@@ -101,6 +102,11 @@ def test_head_phase_equals_marcache_flops_and_the_phases_add_up(tiny_path, backe
     # The encoder and decoder meters count blocks only: the embeddings are the policies' rest.
     assert 0 < phases["encoder"]["flops"] < report.encoder
     assert 0 < phases["decoder"]["flops"] <= report.decoder
+    if backend == "cuda":
+        # Host time around queued GPU work is not its compute time: not reported.
+        assert all(p["seconds"] is None and p["gflops_per_s"] is None for p in phases.values())
+        assert all(p["seconds"] is None for s in info.steps for p in s["phases"].values())
+        return
     step_seconds = sum(s["seconds"] for s in info.steps)
     timed = [phases[n]["seconds"] for n in ("encoder", "decoder", "head")]
     assert all(t is not None and t > 0 for t in timed), timed
