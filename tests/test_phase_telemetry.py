@@ -4,7 +4,6 @@ share of the time, FLOPs and weight bytes, and GenerationInfo.phases.
 The FLOPs and bytes are checked against counts written here from the model's shapes (the
 blocks' GEMMs and attention, each Linear's weights once per call) and against
 marcache.flops (the head, for every policy); the seconds against the step's own clock."""
-import numpy as np
 import pytest
 
 import marcache as mc
