@@ -53,7 +53,8 @@
 #define MC_SMALLROW_PARALLEL_MIN_MACS (256 * 1024)
 /* Thread slices start at multiples of this many outputs, so two threads
  * never write one 64-byte line of a y row (for a row start that is 64-byte
- * aligned). A multiple of every kernel's SR_O. */
+ * aligned). A kernel's tiles of SR_O outputs (5 for AVX-512, 4 for AVX2)
+ * run inside one thread's slice, the last one short where the slice ends. */
 #define MC_SMALLROW_SLICE_ALIGN 16
 
 const char *mc_cpu_isa_name(mc_cpu_isa isa) {
