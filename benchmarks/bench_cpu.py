@@ -74,13 +74,17 @@ CACHES = {
 }
 
 
+def roofline_seconds(flops, weight_bytes, sgemm_gflops, sgemv_gbs):
+    """The larger of `flops` at the sgemm rate and `weight_bytes` at the sgemv bandwidth."""
+    return max(flops / (sgemm_gflops * 1e9), (weight_bytes or 0.0) / (sgemv_gbs * 1e9))
+
+
 def floor_seconds(report, dtype, sgemm_gflops, sgemv_gbs):
     """(transformer, head) seconds of a run at this machine's limits: the transformer's
     FLOPs at the sgemm rate; the head at the larger of its FLOPs at the sgemm rate and its
     weight bytes at the sgemv bandwidth."""
-    transformer = (report.encoder + report.decoder) / (sgemm_gflops * 1e9)
-    head = max(report.head / (sgemm_gflops * 1e9),
-               report.head_params_read * WEIGHT_BYTES[dtype] / (sgemv_gbs * 1e9))
+    transformer = roofline_seconds(report.encoder + report.decoder, 0.0, sgemm_gflops, sgemv_gbs)
+    head = roofline_seconds(report.head, report.head_params_read * WEIGHT_BYTES[dtype], sgemm_gflops, sgemv_gbs)
     return transformer, head
 
 
@@ -91,9 +95,7 @@ def phase_rows(rows, sgemm_gflops, sgemv_gbs):
     for r in rows:
         total = sum(p["seconds"] for p in r["phases"].values())
         for name, p in r["phases"].items():
-            floor = p["flops"] / (sgemm_gflops * 1e9)
-            if p["weight_bytes"]:
-                floor = max(floor, p["weight_bytes"] / (sgemv_gbs * 1e9))
+            floor = roofline_seconds(p["flops"], p["weight_bytes"], sgemm_gflops, sgemv_gbs)
             gbs = p["gb_per_s"]
             out.append([r["dtype"], r["batch"], r["cache"], name, f"{p['seconds'] / r['batch']:.2f}",
                         f"{100 * p['seconds'] / total:.0f}%", f"{p['gflops_per_s']:.1f}",
