@@ -81,11 +81,30 @@ extern "C" mc_status mc_cuda_cublas_register_dirs(const char *const *dirs, int c
     return MC_OK;
 }
 
-/* Appends "path (reason); " to the list of what was tried, as far as it fits. */
+/* Appends "path (reason); " to the list of what was tried, as far as it fits;
+ * a cut list ends in "...". (snprintf's result is looked at: GCC 13's
+ * -Wformat-truncation, on in -Wall, warns about a bounded print whose result
+ * is unused when the output may be cut; nvcc's host compiler on the H100/H200
+ * machines is GCC 13.) */
 static void note_attempt(char *tried, size_t size, const char *path, const char *reason) {
     const size_t used = strlen(tried);
-    if (used + 1 < size)
-        snprintf(tried + used, size - used, "%s%s (%s)", used > 0 ? "; " : "", path, reason);
+    if (used + 4 >= size)
+        return;
+    const int n = snprintf(tried + used, size - used, "%s%s (%s)", used > 0 ? "; " : "", path, reason);
+    if (n < 0 || (size_t)n >= size - used)
+        memcpy(tried + size - 4, "...", 4);
+}
+
+/* src into buf (size > 0); 0 when it had to be cut to fit. A copy, not
+ * snprintf("%s"): that one draws -Wformat-truncation wherever a caller has no
+ * use for the result. */
+static int copy_string(char *buf, size_t size, const char *src) {
+    const size_t len = strnlen(src, size);
+    const int fits = len < size;
+    const size_t kept = fits ? len : size - 1;
+    memcpy(buf, src, kept);
+    buf[kept] = '\0';
+    return fits;
 }
 
 /* dlsym into *slot; the symbol names are the exported ones (the _v2 names
@@ -203,12 +222,15 @@ extern "C" mc_status mc_cuda_cublas_load(mc_err *err) {
         }
         if (try_library(candidates[i], &api, &version, tried, sizeof tried)) {
             mc_cublas = api;
-            snprintf(loaded_path, sizeof loaded_path, "%s", candidates[i]);
-            /* The file the system loader chose for a bare soname. */
+            /* candidates[i] fits: both buffers hold 4096 bytes. */
+            copy_string(loaded_path, sizeof loaded_path, candidates[i]);
+            /* The file the system loader chose for a bare soname (kept as
+             * the soname where that path would not fit). */
             Dl_info where;
             if (strchr(candidates[i], '/') == NULL && dladdr((void *)api.create, &where) != 0 &&
-                where.dli_fname != NULL)
-                snprintf(loaded_path, sizeof loaded_path, "%s", where.dli_fname);
+                where.dli_fname != NULL &&
+                !copy_string(loaded_path, sizeof loaded_path, where.dli_fname))
+                copy_string(loaded_path, sizeof loaded_path, candidates[i]);
             loaded_version = version;
             loaded = 1;
             pthread_mutex_unlock(&load_lock);
