@@ -24,11 +24,15 @@ def junit(cases):
             '</testsuite></testsuites>' % (len(cases), "".join(rows)))
 
 
-def check(tmp_path, cases, expected=EXPECTED):
+GPU_SESSION = os.path.join(os.path.dirname(TESTS_DIR), "tools", "gpu_session.sh")
+
+
+def check(tmp_path, cases, expected=EXPECTED, gpu_session=None):
     path = tmp_path / "junit.xml"
     path.write_text(junit(cases))
-    return subprocess.run([sys.executable, CHECKER, str(path), str(expected)], capture_output=True, text=True,
-                          cwd=TESTS_DIR)
+    extra = ["--gpu-session", str(gpu_session)] if gpu_session else []
+    return subprocess.run([sys.executable, CHECKER, str(path), str(expected)] + extra, capture_output=True,
+                          text=True, cwd=TESTS_DIR)
 
 
 def test_expected_skips_pass_and_are_counted(tmp_path):
@@ -61,3 +65,30 @@ def test_an_entry_without_a_reason_is_refused(tmp_path):
     expected.write_text("# comment\nno usable CUDA device\n")
     result = check(tmp_path, [("a", "b", None)], expected=expected)
     assert result.returncode != 0 and "regex | reason" in result.stderr
+
+
+def test_a_cuda_skip_outside_the_gpu_sessions_files_fails(tmp_path):
+    """A test that skips for want of CUDA in a file tools/gpu_session.sh does not run would
+    not run on a lent GPU either: CI names the file."""
+    script = tmp_path / "gpu_session.sh"
+    script.write_text('#!/bin/sh\nGPU_TEST_FILES="test_ops.py test_devices.py"\n')
+    cases = [
+        ("test_ops", "test_op[cuda-gemm]", "backend 'cuda' is not in this build"),
+        ("test_devices.TestX", "test_cuda_tokens[nocache]", "no usable CUDA device"),
+        ("test_sampling", "test_sqrtm", "SciPy not installed (optional extra)"),
+    ]
+    assert check(tmp_path, cases, gpu_session=script).returncode == 0
+    result = check(tmp_path, cases + [("test_var_devices", "test_cuda_tokens[bf16]", "no usable CUDA device")],
+                   gpu_session=script)
+    assert result.returncode == 1
+    assert "test_var_devices.py" in result.stderr and "GPU_TEST_FILES" in result.stderr
+    assert "test_ops.py" not in result.stderr.split("leaves out")[1]
+
+
+def test_the_gpu_sessions_list_names_existing_test_files():
+    """Every file the GPU session runs exists (a renamed test file would else be dropped
+    silently there, where pytest's 'file not found' costs lent GPU time)."""
+    import re
+    with open(GPU_SESSION) as f:
+        listed = re.search(r'^GPU_TEST_FILES="([^"]*)"', f.read(), re.MULTILINE).group(1).split()
+    assert listed and all(os.path.isfile(os.path.join(TESTS_DIR, name)) for name in listed), listed
