@@ -22,6 +22,8 @@ is the same for every setting). FLOP ratios are the engine's telemetry (= marcac
 
     python benchmarks/bench_var.py --fastvar --models d16 --batches 8 --rounds 2
     python benchmarks/bench_var.py --fastvar --models d30 --batches 8 --rounds 1 --settings none default
+    # on a GPU (issue 16's d30 batch-64 bf16 point):
+    python benchmarks/bench_var.py --fastvar --models d30 --batches 64 --settings none default --device cuda --dtype bf16
 
 Weights are written once under benchmarks/.cache/ (d16 1.2 GB, d30 4 GB as bf16 bits,
 converted to float32 at load; the VQVAE 0.4 GB).
@@ -125,11 +127,12 @@ def model_paths(name, cache_dir):
     return path, vq_path
 
 
-def load_model(name, cache_dir):
+def load_model(name, cache_dir, device="cpu", dtype="fp32"):
     path, vq_path = model_paths(name, cache_dir)
     t0 = time.perf_counter()
-    model = mc.load(path, vae=vq_path)
-    print(f"VAR-{name}: loaded in {time.perf_counter() - t0:.1f} s ({model.num_params:,} parameters)", flush=True)
+    model = mc.load(path, vae=vq_path, device=device, dtype=dtype)
+    print(f"VAR-{name}: loaded on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s "
+          f"({model.num_params:,} parameters)", flush=True)
     return model
 
 
@@ -144,10 +147,14 @@ def machine_header():
 def fastvar_mode(args):
     """Every setting of args.settings against NoCache, alternated run by run (see the module doc)."""
     names = ["none"] + [s for s in args.settings if s != "none"]
-    peak_before, _ = machine_header()
+    on_cpu = args.device == "cpu"
+    # The sgemm rate is the CPU's ceiling; on a GPU the device is named instead.
+    peak_before = machine_header()[0] if on_cpu else None
+    if not on_cpu:
+        print(f"device {args.device}: {', '.join(mc.build_info()['cuda_device_names'])}", flush=True)
     results = []
     for model_name in args.models:
-        model = load_model(model_name, args.cache_dir)
+        model = load_model(model_name, args.cache_dir, args.device, args.dtype)
         for batch in args.batches:
             labels = [(207 + 31 * i) % 1000 for i in range(batch)]
             # warm-up: sizes the model's and the VQVAE's workspaces for this batch cheaply (scale 0 only)
@@ -182,12 +189,13 @@ def fastvar_mode(args):
                                     gflops_per_s=flops[n] * args.rounds / sum(seconds[n]) / 1e9,
                                     decode_seconds=decode_s))
         del model
-    peak_after, _ = sgemm_rate(SGEMM_SHAPES, 3)
+    peak_after = sgemm_rate(SGEMM_SHAPES, 3)[0] if on_cpu else None
     print()
-    print(f"FastVAR against NoCache, VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, CPU fp32, "
-          f"threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}, {args.rounds} round(s) alternated; "
-          f"sgemm {peak_before:.1f} GFLOP/s before, {peak_after:.1f} after; load average at the end "
-          f"{os.getloadavg()[0]:.2f}")
+    where = (f"CPU {args.dtype}, threads={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}" if on_cpu else
+             f"{', '.join(mc.build_info()['cuda_device_names'])} ({args.device}) {args.dtype}")
+    ceiling = f"sgemm {peak_before:.1f} GFLOP/s before, {peak_after:.1f} after; " if on_cpu else ""
+    print(f"FastVAR against NoCache, VAR (random weights), cfg 1.5, top_k 900, top_p 0.96, {where}, "
+          f"{args.rounds} round(s) alternated; {ceiling}load average at the end {os.getloadavg()[0]:.2f}")
     print("| model | batch | setting | loop s/image (per round) | wall speed-up (per round) | GFLOP/image | "
           "FLOP ratio | loop GFLOP/s | speed-up with decode |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -210,7 +218,8 @@ def fastvar_mode(args):
             base, total = mc.flops(f"var_{m}", cfg=1.5).total, mc.flops(f"var_{m}", cfg=1.5, cache=make()).total
             cells.append(f"{total / 1e9:.1f} GFLOP ({base / total:.2f}x)")
         print(f"| `{label}` | " + " | ".join(cells) + " |")
-    write_json(args.json, sgemm_before=peak_before, sgemm_after=peak_after, rows=results)
+    write_json(args.json, device=args.device, dtype=args.dtype, sgemm_before=peak_before, sgemm_after=peak_after,
+               rows=results)
 
 
 def main():
@@ -223,7 +232,12 @@ def main():
     parser.add_argument("--settings", nargs="+", default=sorted(FASTVAR_SETTINGS), choices=sorted(FASTVAR_SETTINGS),
                         help="FastVAR mode: the settings to run (NoCache always runs)")
     parser.add_argument("--rounds", type=int, default=2, help="FastVAR mode: rounds of alternated runs")
+    parser.add_argument("--device", default="cpu", help="FastVAR mode: where the model runs (cpu, cuda, cuda:N)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="FastVAR mode: the weights' dtype on the device")
     args = parser.parse_args()
+    if not args.fastvar and (args.device != "cpu" or args.dtype != "fp32"):
+        parser.error("--device and --dtype are FastVAR mode's (--fastvar); the plain mode measures the CPU in fp32")
     if args.fastvar:
         return fastvar_mode(args)
 
