@@ -63,7 +63,8 @@ def _index(calls, fragment):
     return hits[0] if hits else None
 
 
-@pytest.mark.parametrize("step,runs", [("tests", "-m pytest"), ("bench", "bench_gpu.py")])
+@pytest.mark.parametrize("step,runs", [("tests", "-m pytest"), ("bench", "bench_gpu.py"),
+                                       ("var", "bench_var_gpu.py")])
 def test_step_builds_when_the_extension_is_missing(session_tree, step, runs):
     proc, calls = run_session(session_tree, step)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -72,7 +73,8 @@ def test_step_builds_when_the_extension_is_missing(session_tree, step, runs):
     assert run is not None and build < run, calls
 
 
-@pytest.mark.parametrize("step,runs", [("tests", "-m pytest"), ("bench", "bench_gpu.py")])
+@pytest.mark.parametrize("step,runs", [("tests", "-m pytest"), ("bench", "bench_gpu.py"),
+                                       ("var", "bench_var_gpu.py")])
 def test_step_does_not_rebuild_a_cuda_build(session_tree, step, runs):
     proc, calls = run_session(session_tree, step, built=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -84,3 +86,18 @@ def test_build_tests_builds_once(session_tree):
     proc, calls = run_session(session_tree, "build", "tests")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum("setup.py build_ext" in c for c in calls) == 1, calls
+
+
+def test_var_runs_both_var_benchmarks_and_passes_arguments_through(session_tree):
+    """`var` alone runs the official comparison and the FastVAR GPU point; `var ARGS`
+    passes ARGS to bench_var_gpu.py only."""
+    proc, calls = run_session(session_tree, "var", built=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _index(calls, "bench_var_gpu.py") is not None, calls
+    fastvar = _index(calls, "bench_var.py --fastvar")
+    assert fastvar is not None and "--device cuda --dtype bf16" in calls[fastvar], calls
+    proc, calls = run_session(session_tree, "var", "--models", "d16", "--batches", "16", built=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = _index(calls, "bench_var_gpu.py")
+    assert run is not None and "--models d16 --batches 16" in calls[run], calls
+    assert _index(calls, "bench_var.py --fastvar") is None, calls

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #8, for a lent GPU machine (the device tool runs this over a copy
-# of the working tree). No GPU has been lent to the sessions that wrote the CUDA backend, so
-# this is the first thing a session with one should run:
+# The GPU checks, for a lent GPU machine (the device tool runs this over a copy of the
+# working tree). GPUs are lent rarely and for 15 minutes: run what is open, in one call.
 #
-#   run(command="bash tools/gpu_session.sh build tests", carry=[".whl"])         # ~5 min
+#   run(command="bash tools/gpu_session.sh build tests", carry=[".whl"])
 #   run(command="bash tools/gpu_session.sh bench --quick", carry=[".whl", ".official"])
-#   run(command="bash tools/gpu_session.sh bench --batches 256", carry=[".whl", ".official"])
+#   run(command="bash tools/gpu_session.sh var", carry=[".whl", ".official"])
 #
-# Steps (any order, default all): build (MARCACHE_CUDA=1, in place; kept between calls on a
-# warm machine, and run by tests and bench first when no CUDA-enabled build imports), tests (MARCACHE_REQUIRE_CUDA=1: every CUDA test, which fail instead of
-# skipping), bench [ARGS] (benchmarks/bench_gpu.py ARGS, default --quick). Logs and JSON go
-# to $OUT (the device tool brings them back) or ./gpu_out.
+# Measured on the first GPU session (2026-11-27, H100, 16 cores): build 46 s; tests 129 s
+# for the four MAR files the list then held (on the 2-core development machine the full
+# list below takes 144 s with its CUDA cases skipped); bench --quick --configs base 120 s.
+#
+# Steps (any order, default build tests bench): build (MARCACHE_CUDA=1, in place; kept
+# between calls on a warm machine, and run by the other steps first when no CUDA-enabled
+# build imports), tests (MARCACHE_REQUIRE_CUDA=1: every CUDA test, which fail instead of
+# skipping), bench [ARGS] (benchmarks/bench_gpu.py ARGS, default --quick: MAR against the
+# official code), var [ARGS] (benchmarks/bench_var_gpu.py ARGS, default d16 and d30 at
+# batch 16 and 64 against the official VAR code; then bench_var.py's FastVAR d30 batch-64
+# bf16 point). bench and var take the rest of the line as their arguments. Logs and JSON
+# go to $OUT (the device tool brings them back) or ./gpu_out.
 #
 # Carried folders (ignored by git; see the device README): .whl holds the wheels the
 # machine lacks, here scipy-openblas32 for Python 3.12:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 -d .whl scipy-openblas32==0.3.34.481.3
-# .official/mar is the official LTH14/mar tree for the side-by-side benchmark
-# (benchmarks/bench_gpu.py's docstring says how to export it).
+# .official/mar and .official/var are the official LTH14/mar and FoundationVision/VAR
+# trees for the side-by-side benchmarks (bench_gpu.py's and bench_var_gpu.py's docstrings
+# say how to export them).
 set -u -o pipefail
 
 steps=("$@")
@@ -25,9 +33,9 @@ steps=("$@")
 for step in "${steps[@]}"; do
     case "$step" in
     build | tests) ;;
-    bench) break ;; # the rest are the benchmark's arguments
+    bench | var) break ;; # the rest are the benchmark's arguments
     *)
-        echo "unknown step '$step' (build, tests, bench [ARGS])" >&2
+        echo "unknown step '$step' (build, tests, bench [ARGS], var [ARGS])" >&2
         exit 2
         ;;
     esac
@@ -95,6 +103,22 @@ run_bench() {
         --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -40
 }
 
+run_var() {
+    ensure_built || return 1
+    local status=0
+    if [ $# -eq 0 ]; then
+        "$PY" benchmarks/bench_var_gpu.py --out "$OUT/bench_var_gpu.json" 2>&1 | tee "$OUT/var.log" | tail -20 \
+            || status=1
+        "$PY" benchmarks/bench_var.py --fastvar --models d30 --batches 64 --settings none default \
+            --device cuda --dtype bf16 --json "$OUT/fastvar_gpu.json" 2>&1 | tee "$OUT/fastvar.log" | tail -8 \
+            || status=1
+    else
+        "$PY" benchmarks/bench_var_gpu.py "$@" --out "$OUT/bench_var_gpu.json" 2>&1 | tee "$OUT/var.log" \
+            | tail -20 || status=1
+    fi
+    return $status
+}
+
 i=0
 while [ $i -lt ${#steps[@]} ]; do
     case "${steps[$i]}" in
@@ -103,6 +127,10 @@ while [ $i -lt ${#steps[@]} ]; do
     bench)
         # everything after "bench" is the benchmark's arguments
         run_bench "${steps[@]:$((i + 1))}" || status=1
+        break
+        ;;
+    var)
+        run_var "${steps[@]:$((i + 1))}" || status=1
         break
         ;;
     esac
