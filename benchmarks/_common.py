@@ -5,9 +5,30 @@ Markdown results table, and the optional JSON copy of the results.
 The benchmarks run as scripts (``python benchmarks/bench_var.py``), so this
 folder is on sys.path and they ``import _common``. marcache is imported where it is
 used: bench_builds.py's parent process times other builds and imports none."""
+import glob
 import json
 import os
 import platform
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra):
+    """The environment of a benchmark's child Python: os.environ, this process's import
+    path as PYTHONPATH (with the checkout first when it holds an in-place build, as
+    tests/conftest.py does, so the child times the marcache this run imports), plus
+    `extra` (a value of None removes that key). tests/child_env.py is the tests' twin;
+    the benchmarks run as scripts and do not import from tests/."""
+    in_place = glob.glob(os.path.join(ROOT, "marcache", "_C*.so"))
+    paths = ([ROOT] if in_place else []) + [p for p in sys.path if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
 
 
 def sgemm_rate(shapes, repeats):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from _common import start_busy, stop_busy
+from _common import child_env, start_busy, stop_busy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {
@@ -50,9 +50,8 @@ print(time.perf_counter() - t0)
 
 
 def run_child(args, extra_env):
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    env.update(extra_env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    # marcache's OpenMP settings come from extra_env alone (the variant under test)
+    env = child_env(**{"GOMP_SPINCOUNT": None, "OMP_WAIT_POLICY": None, **extra_env})
     out = subprocess.run([sys.executable, "-c", CHILD, args.model, args.weights, str(args.threads)], env=env,
                          capture_output=True, text=True, check=True, cwd=HERE)
     return float(out.stdout.strip().splitlines()[-1])

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import print_table, start_busy, stop_busy, write_json
+from _common import child_env, print_table, start_busy, stop_busy, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -123,9 +123,7 @@ def marcache_env(**extra):
 
     importlib.import_module("marcache")  # sets GOMP_SPINCOUNT in os.environ unless the user chose
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [ROOT] + sys.path if p))
-    env.update(extra)
-    return env
+    return child_env(**extra)
 
 
 def region_costs(cost_exe, n, threads):

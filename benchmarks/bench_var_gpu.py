@@ -152,6 +152,7 @@ def run_worker(python, spec):
 def worker_official(spec):
     """Builds the official VAR and VQVAE, loads the same weights, times autoregressive_infer_cfg."""
     import contextlib
+    import importlib.util
     import types
 
     code = spec["official_dir"]
@@ -163,9 +164,7 @@ def worker_official(spec):
     except ImportError as e:
         return dict(error=f"torch or safetensors is not importable in {sys.executable}: {e}")
     notes = []
-    try:
-        import huggingface_hub  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("huggingface_hub") is None:
         hub = types.ModuleType("huggingface_hub")
         hub.PyTorchModelHubMixin = type("PyTorchModelHubMixin", (), {})
         sys.modules["huggingface_hub"] = hub
