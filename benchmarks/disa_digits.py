@@ -45,6 +45,20 @@ def policies():
         "DiSA 10-2+CfgFreeLate(0.25, LazyMAR(no head cache, start=2, period=5))":
             mc.DiSA(start=10, end=2, inner=mc.CfgFreeLate(
                 after=0.25, inner=mc.LazyMAR(head_cache=False, start=2, period=5))),
+        # Past LazyMAR's 5.0x FLOP ceiling there: MARche's cache-aware attention with its
+        # encoder and condition caches leaves less of the transformer than LazyMAR's full
+        # steps do (marcache.flops: 5.6x to 7.9x with DiSA 10 -> 2; refresh_period is how
+        # often the cached K/V are refreshed)
+        "DiSA 10-2+MARche(encoder and cond caches, refresh 6)":
+            mc.DiSA(start=10, end=2, inner=mc.MARche(encoder_cache=True, cond_cache=True, refresh_period=6)),
+        "DiSA 10-2+MARche(encoder and cond caches, refresh 16)":
+            mc.DiSA(start=10, end=2, inner=mc.MARche(encoder_cache=True, cond_cache=True, refresh_period=16)),
+        "DiSA 10-2+CfgFreeLate(0.25, MARche(encoder and cond caches, refresh 3))":
+            mc.DiSA(start=10, end=2, inner=mc.CfgFreeLate(
+                after=0.25, inner=mc.MARche(encoder_cache=True, cond_cache=True))),
+        "DiSA 10-2+CfgFreeLate(0.25, MARche(encoder and cond caches, refresh 6))":
+            mc.DiSA(start=10, end=2, inner=mc.CfgFreeLate(
+                after=0.25, inner=mc.MARche(encoder_cache=True, cond_cache=True, refresh_period=6))),
     }
 
 
