@@ -15,19 +15,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_env(**extra):
-    """The environment of a benchmark's child Python: os.environ, this process's import
-    path as PYTHONPATH (with the checkout first when it holds an in-place build, as
-    tests/conftest.py does, so the child times the marcache this run imports), plus
-    `extra` (a value of None removes that key). tests/child_env.py is the tests' twin;
-    the benchmarks run as scripts and do not import from tests/."""
-    in_place = glob.glob(os.path.join(ROOT, "marcache", "_C*.so"))
-    paths = ([ROOT] if in_place else []) + [p for p in sys.path if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
-    for key, value in extra.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    """The environment of a benchmark's child Python: tests/child_env.py's (os.environ,
+    this process's import path as PYTHONPATH, `extra` set or removed), with the checkout
+    first on the path when it holds an in-place build, as tests/conftest.py puts it, so
+    the child times the marcache this run imports."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from child_env import child_env as tests_child_env
+
+    env = tests_child_env(**extra)
+    if glob.glob(os.path.join(ROOT, "marcache", "_C*.so")) and "PYTHONPATH" not in extra:
+        env["PYTHONPATH"] = os.pathsep.join([ROOT, env["PYTHONPATH"]])
     return env
 
 

@@ -55,16 +55,16 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from _worker import import_official, run_worker, worker_main
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RESULT_MARKER = "@@bench_gpu-result@@ "
 
 # key -> official factory (None: built from DIMS), label, README eval cfg (linear schedule)
 CONFIGS = {
@@ -162,7 +162,7 @@ def measure_gemm(args):
         res = gemm_rates(args.device, args.gemm_size)
         res["measured_in"] = "this process"
         return res
-    res = run_worker(args.official_python, "gemm", dict(device=args.device, size=args.gemm_size))
+    res = run_worker(__file__, args.official_python, "gemm", dict(device=args.device, size=args.gemm_size))
     if res.get("error"):
         log(f"GEMM rate not measured: {res['error']}")
         return None
@@ -318,20 +318,6 @@ def policy_cell(args, key, batch):
 # The official side (a subprocess: its own interpreter, its own CUDA context)
 # ==========================================================================
 
-def run_worker(python, kind, spec):
-    cmd = [python, os.path.abspath(__file__), "--worker", kind, json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    except OSError as e:
-        return dict(error=f"cannot start {python}: {e}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
-    tail = proc.stdout.strip().splitlines()[-3:]
-    return dict(error=f"{python} exited with code {proc.returncode} without a result "
-                      f"(its stderr is above){'; stdout: ' + ' | '.join(tail) if tail else ''}")
-
-
 def run_official(key, weights, args, cfg, bench):
     label = CONFIGS[key]["label"]
     remaining = bench.remaining()
@@ -340,7 +326,7 @@ def run_official(key, weights, args, cfg, bench):
                 device=args.device, repeats=args.repeats, warmup_steps=warmup_steps(args),
                 time_left=remaining)
     log(f"{label}: official code ({args.official_python}) ...")
-    res = run_worker(args.official_python, "official", spec)
+    res = run_worker(__file__, args.official_python, "official", spec)
     if res.get("error"):
         log(f"{label}: official column skipped: {res['error']}")
         bench.data["official"]["errors"][key] = res["error"]
@@ -391,13 +377,9 @@ def worker_official(spec):
     """Builds the official MAR (models/mar.py) with the same weights and times sample_tokens."""
     notes = []
     official_dir = spec["official_dir"]
-    if not os.path.isfile(os.path.join(official_dir, "models", "mar.py")):
-        return dict(error=f"no official code at {official_dir} (models/mar.py missing)")
-    try:
-        import torch
-    except ImportError as e:
-        return dict(error=f"torch is not importable in {sys.executable}: {e}")
-    sys.path.insert(0, official_dir)
+    torch, failed = import_official(official_dir, os.path.join("models", "mar.py"))
+    if failed:
+        return failed
     try:
         _stub_official_deps(notes)
         import timm
@@ -491,24 +473,6 @@ def worker_official(spec):
                 timm=timm.__version__, python=sys.version.split()[0], executable=sys.executable,
                 device=torch.cuda.get_device_name() if cuda else platform.machine(),
                 autocast="fp16" if cuda else "none (fp32 on the CPU)")
-
-
-def worker_main(kind, spec_json):
-    spec = json.loads(spec_json)
-    try:
-        if kind == "official":
-            res = worker_official(spec)
-        elif kind == "gemm":
-            res = dict(rates=gemm_rates(spec["device"], spec["size"]))
-        else:
-            res = dict(error=f"unknown worker {kind!r}")
-    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
-        import traceback
-
-        traceback.print_exc()
-        res = dict(error=f"{type(e).__name__}: {e}")
-    sys.stdout.write(RESULT_MARKER + json.dumps(res) + "\n")
-    sys.stdout.flush()
 
 
 # ==========================================================================
@@ -756,6 +720,8 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker_main(sys.argv[2], sys.argv[3])
+        worker_main({"official": worker_official,
+                     "gemm": lambda spec: dict(rates=gemm_rates(spec["device"], spec["size"]))},
+                    sys.argv[2], sys.argv[3])
     else:
         main()

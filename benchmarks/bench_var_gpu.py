@@ -42,15 +42,15 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
+from _worker import import_official, run_worker, worker_main
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RESULT_MARKER = "@@bench_var_gpu-result@@ "
 CFG, TOP_K, TOP_P = 1.5, 900, 0.96
 TARGET_BATCH16 = 2.0
 
@@ -137,18 +137,6 @@ def run_ours(name, paths, args):
 # The official side (a subprocess: its own interpreter and CUDA context)
 # ==========================================================================
 
-def run_worker(python, spec):
-    cmd = [python, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    except OSError as e:
-        return dict(error=f"cannot start {python}: {e}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
-    return dict(error=f"{python} exited with code {proc.returncode} without a result (its stderr is above)")
-
-
 def worker_official(spec):
     """Builds the official VAR and VQVAE, loads the same weights, times autoregressive_infer_cfg."""
     import contextlib
@@ -156,13 +144,11 @@ def worker_official(spec):
     import types
 
     code = spec["official_dir"]
-    if not os.path.isfile(os.path.join(code, "models", "var.py")):
-        return dict(error=f"no official code at {code} (models/var.py missing)")
-    try:
-        import torch
-        from safetensors.torch import load_file
-    except ImportError as e:
-        return dict(error=f"torch or safetensors is not importable in {sys.executable}: {e}")
+    torch, failed = import_official(code, os.path.join("models", "var.py"))
+    if failed:
+        return failed
+    from safetensors.torch import load_file
+
     notes = []
     if importlib.util.find_spec("huggingface_hub") is None:
         hub = types.ModuleType("huggingface_hub")
@@ -173,7 +159,6 @@ def worker_official(spec):
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         return dict(error=f"torch {torch.__version__} sees no CUDA device")
-    sys.path.insert(0, code)
     from models import build_vae_var
     from models import basic_var
 
@@ -237,25 +222,13 @@ def worker_official(spec):
                 autocast="fp16" if cuda else "none (fp32 on the CPU)")
 
 
-def worker_main(spec_json):
-    try:
-        res = worker_official(json.loads(spec_json))
-    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
-        import traceback
-
-        traceback.print_exc()
-        res = dict(error=f"{type(e).__name__}: {e}")
-    sys.stdout.write(RESULT_MARKER + json.dumps(res) + "\n")
-    sys.stdout.flush()
-
-
 # ==========================================================================
 # The run
 # ==========================================================================
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        return worker_main(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        return worker_main({"official": worker_official}, sys.argv[2], sys.argv[3])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", type=depth_of, default=["d16", "d30"])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
@@ -298,7 +271,7 @@ def main():
                         var=os.path.abspath(paths[0]), vqvae=os.path.abspath(paths[1]), batches=args.batches,
                         device=args.device, repeats=args.repeats, cfg=CFG, top_k=TOP_K, top_p=TOP_P)
             log(f"VAR-{name}: official code ({args.official_python}) ...")
-            res = run_worker(args.official_python, spec)
+            res = run_worker(__file__, args.official_python, "official", spec)
             if res.get("error"):
                 log(f"VAR-{name}: official column skipped: {res['error']}")
             data["official"][name] = {k: v for k, v in res.items() if k != "rows"}
