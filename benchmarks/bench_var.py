@@ -119,7 +119,7 @@ def model_paths(name, cache_dir):
     if not os.path.exists(vq_path):
         print(f"writing random VQVAE weights to {vq_path} ...", flush=True)
         write_random_vqvae(vq_path)
-    depth = DEPTHS[name]
+    depth = int(name[1:])  # "d16" -> 16: DEPTHS names the full-size models; bench_var_gpu.py dry-runs "d2"
     path = os.path.join(cache_dir, f"var_{name}_random.safetensors")
     if not os.path.exists(path):
         print(f"writing random VAR-{name} weights to {path} ...", flush=True)

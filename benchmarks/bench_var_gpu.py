@@ -48,6 +48,7 @@ import time
 import numpy as np
 
 from _worker import import_official, run_worker, worker_main
+from bench_gpu import gemm_rates, log, make_labels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -55,38 +56,11 @@ CFG, TOP_K, TOP_P = 1.5, 900, 0.96
 TARGET_BATCH16 = 2.0
 
 
-def log(msg):
-    print(msg, flush=True)
-
-
-def make_labels(batch):
-    return [(207 + 31 * i) % 1000 for i in range(batch)]
-
-
-def depth_of(name):
-    """'d16' -> 16; any depth from 1 to 30 (d2 for CPU dry runs)."""
+def var_name(name):
+    """An argparse type: 'dN' with N in 1..30 (d16, d30; d2 for CPU dry runs), returned as is."""
     if not (name.startswith("d") and name[1:].isdigit() and 1 <= int(name[1:]) <= 30):
         raise argparse.ArgumentTypeError(f"model {name!r}: expected dN with N in 1..30 (d16, d30)")
     return name
-
-
-def weight_paths(name, workdir):
-    """(VAR path, VQVAE path) of random weights in the official layout, written on first use
-    with bench_var.py's writers (bf16 bits from d24 on, as there)."""
-    sys.path.insert(0, HERE)
-    from bench_var import write_random_var, write_random_vqvae
-
-    os.makedirs(workdir, exist_ok=True)
-    vq_path = os.path.join(workdir, "vqvae_ch160_random.safetensors")
-    if not os.path.exists(vq_path):
-        log(f"writing random VQVAE weights to {vq_path} ...")
-        write_random_vqvae(vq_path)
-    depth = int(name[1:])
-    path = os.path.join(workdir, f"var_{name}_random.safetensors")
-    if not os.path.exists(path):
-        log(f"writing random VAR-{name} weights to {path} ...")
-        write_random_var(path, depth, bf16=depth >= 24)
-    return path, vq_path
 
 
 # ==========================================================================
@@ -230,7 +204,7 @@ def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         return worker_main({"official": worker_official}, sys.argv[2], sys.argv[3])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", type=depth_of, default=["d16", "d30"])
+    parser.add_argument("--models", nargs="+", type=var_name, default=["d16", "d30"])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
@@ -244,8 +218,7 @@ def main():
     if any(b < 1 for b in args.batches) or args.repeats < 1:
         parser.error("--batches and --repeats must be at least 1")
 
-    sys.path.insert(0, HERE)
-    from bench_gpu import gemm_rates
+    from bench_var import model_paths  # imports marcache: the parent's, not the worker's
 
     import marcache as mc
 
@@ -264,7 +237,7 @@ def main():
     commit_file = os.path.join(args.official, "COMMIT")
     commit = open(commit_file).read().strip() if os.path.exists(commit_file) else None
     for name in args.models:
-        paths = weight_paths(name, args.workdir)
+        paths = model_paths(name, args.workdir)
         data["rows"] += run_ours(name, paths, args)
         if not args.no_official:
             spec = dict(official_dir=os.path.abspath(args.official), model=name, depth=int(name[1:]),
