@@ -106,15 +106,13 @@ run_bench() {
 run_var() {
     ensure_built || return 1
     local status=0
+    "$PY" benchmarks/bench_var_gpu.py "$@" --out "$OUT/bench_var_gpu.json" 2>&1 | tee "$OUT/var.log" | tail -20 \
+        || status=1
+    # Without arguments, also the FastVAR point (the same d30 weights under benchmarks/.cache).
     if [ $# -eq 0 ]; then
-        "$PY" benchmarks/bench_var_gpu.py --out "$OUT/bench_var_gpu.json" 2>&1 | tee "$OUT/var.log" | tail -20 \
-            || status=1
         "$PY" benchmarks/bench_var.py --fastvar --models d30 --batches 64 --settings none default \
             --device cuda --dtype bf16 --json "$OUT/fastvar_gpu.json" 2>&1 | tee "$OUT/fastvar.log" | tail -8 \
             || status=1
-    else
-        "$PY" benchmarks/bench_var_gpu.py "$@" --out "$OUT/bench_var_gpu.json" 2>&1 | tee "$OUT/var.log" \
-            | tail -20 || status=1
     fi
     return $status
 }
