@@ -1,6 +1,6 @@
 """The CPU backend's small-row linear (csrc/backend/cpu/cpu_smallrow.c, issue 23).
 
-`linear` with at most MARCACHE_SMALLROW_MAX rows (default 32) runs a kernel that streams
+`linear` with at most MARCACHE_SMALLROW_MAX rows (default 96) runs a kernel that streams
 W in nn.Linear layout once per call, outputs split across the OpenMP team, with bias,
 activation and the residual applied as the sums are stored. Its instruction set
 (MARCACHE_CPU_ISA: avx512, avx2 or the plain reference loop) is read when a backend is
@@ -22,6 +22,10 @@ What is held:
   - bad MARCACHE_CPU_ISA / MARCACHE_SMALLROW_MAX values are a ValueError naming the
     variable, and build_info() names the ISA.
 """
+import os
+import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -30,6 +34,8 @@ import pytest
 from marcache import _C
 from reference import ops as ref
 from tolerance import assert_close, scaled_atol
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 F32 = np.float32
 SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
@@ -89,8 +95,9 @@ def check_against_reference(got, x, w, b, y, act, beta, wtype):
 
 
 # (rows, in, out, act, bias, beta, strided, threads): rows around the AVX-512 tile (3),
-# the vector width (16) and the threshold (32, 33 goes to OpenBLAS); in and out not
-# multiples of 16, down to 1 and 0; the head's adaLN and MLP shapes.
+# the vector width (16), the kernel's row groups (32, 33) and the default threshold (96,
+# 97 goes to OpenBLAS); in and out not multiples of 16, down to 1 and 0; the head's adaLN
+# and MLP shapes.
 CASES = [
     (1, 1, 1, "none", True, 0.0, False, 1),
     (2, 5, 17, "silu", True, 0.0, False, 2),
@@ -103,6 +110,8 @@ CASES = [
     (31, 100, 17, "none", False, 1.0, False, 2),
     (32, 17, 100, "silu", True, 0.0, True, 2),
     (33, 100, 5, "none", True, 1.0, True, 2),
+    (96, 40, 24, "none", True, 1.0, False, 2),
+    (97, 40, 24, "gelu", True, 0.0, True, 2),
     (4, 0, 5, "silu", True, 0.0, False, 2),  # no inputs: act(bias)
     (5, 7, 0, "none", True, 1.0, False, 2),  # no outputs
 ]
@@ -177,6 +186,41 @@ def test_isas_agree_bit_for_bit_and_with_openblas_within_tolerance(wtype):
     old = run_linear("plain", x, w, b, act="silu", wtype=wtype, threads=2, smallrow_max=0)
     assert_close(results["plain"], old, rtol=0.0, atol=scaled_atol(old, 2e-5), what="small-row vs OpenBLAS")
     assert not np.array_equal(results["plain"], old), "MARCACHE_SMALLROW_MAX=0 did not change the path"
+
+
+@pytest.mark.skipif(SUPPORTED[0] == "plain", reason="without a vector kernel the path is off by default")
+def test_the_default_threshold_is_96_rows():
+    # 96 rows (95% of MAR-B's head rows at batch 8) run the kernel, bit for bit its order;
+    # 97 go to OpenBLAS: another order, within the op test's tolerance.
+    with env(MARCACHE_SMALLROW_MAX=None):
+        for rows in (96, 97):
+            x, w, b, _ = make_inputs(rows, rows, 300, 40)
+            got = run_linear(SUPPORTED[0], x, w, b, threads=2)
+            order = emulate_order(x, w, b, None, 0.0, "fp32")
+            if rows == 96:
+                np.testing.assert_array_equal(got, order)
+            else:
+                assert not np.array_equal(got, order), "97 rows did not leave the small-row kernel"
+                check_against_reference(got, x, w, b, None, "none", 0.0, "fp32")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="benchmarks/bench_linear.py builds its harness with gcc")
+def test_the_threshold_benchmark_builds_and_times_both_paths(tmp_path):
+    # benchmarks/bench_linear.py's C harness (linear_threshold.c) compiles against the
+    # checkout's sources and runs both paths through the backend factory.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_linear
+    finally:
+        sys.path.pop(0)
+    exe = str(tmp_path / "linear_threshold")
+    bench_linear.build(exe)
+    out = subprocess.run([exe, "1", "256", "128", "3", "40"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert [r[0] for r in rows] == ["3", "40"]
+    assert all(float(v) > 0 for r in rows for v in r[1:])
+    bad = subprocess.run([exe, "1", "0", "128", "3"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "must be positive" in bad.stderr
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -261,7 +305,7 @@ def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
         info = _C.build_info()
     # The best set is the default; without a vector kernel the path is off by default.
     assert info["cpu_isa"] == SUPPORTED[0] and SUPPORTED[-1] == "plain"
-    assert info["smallrow_max"] == (0 if SUPPORTED[0] == "plain" else 32)
+    assert info["smallrow_max"] == (0 if SUPPORTED[0] == "plain" else 96)
     x, w, _, _ = make_inputs(0, 2, 3, 4)
     for isa in ("avx512", "avx2"):
         with env(MARCACHE_CPU_ISA=isa):

@@ -82,9 +82,10 @@ float mc_gelu_tanh(float x);
 typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_AVX512 = 2 } mc_cpu_isa;
 
 /* linear runs the small-row kernel for rows <= this (MARCACHE_SMALLROW_MAX
- * overrides it, 0 turns the path off; at most MC_SMALLROW_MAX_LIMIT). 32:
- * where OpenBLAS starts to win for fp32 weights (measured, cpu_smallrow.c). */
-#define MC_SMALLROW_MAX_DEFAULT 32
+ * overrides it, 0 turns the path off; at most MC_SMALLROW_MAX_LIMIT). 96:
+ * where OpenBLAS starts to win for fp32 weights on MAR-B's shapes (measured,
+ * cpu_smallrow.c); 95% of the head's rows at batch 8. */
+#define MC_SMALLROW_MAX_DEFAULT 96
 /* The lanes of the small-row summation order (one AVX-512 vector, two AVX2
  * ones): x rows are padded to a multiple of it. */
 #define MC_SMALLROW_LANES 16

@@ -14,13 +14,20 @@
  * stored, so y is written once. No pre-packed layout was needed: W is read
  * in place, so nothing changes at load.
  *
- * The threshold (MC_SMALLROW_MAX_DEFAULT, 32 rows): measured on one thread
- * of the 2-core EPYC (AVX-512), 1024 x 3072 fp32 weights beyond L3, against
- * OpenBLAS sgemm: 47 vs 20 GFLOP/s at 8 rows, 65 vs 51 at 32, 53 vs 56 at
- * 40 and 54 vs 69 at 64 (above 32 rows the kernel runs two row groups and
- * OpenBLAS's packing has paid for itself). With bf16 weights the old path
- * widens all of W first, and the kernel stays ahead up to about 100 rows
- * (73 vs 64 GFLOP/s at 64 rows); one threshold keeps the rule simple.
+ * The threshold (MC_SMALLROW_MAX_DEFAULT, 96 rows): measured with
+ * benchmarks/bench_linear.py (both paths through the backend, two threads,
+ * weights beyond L3, alternated) on the 2-core EPYC (AVX-512) on MAR-B's
+ * shapes, two runs: the kernel against OpenBLAS is 1.3-1.7x at 16 rows,
+ * 1.0-1.3x at 32 and 64, 0.93-1.12x at 96 (the head's 1024-wide inputs ahead,
+ * the transformer's 768-wide behind), 0.89-1.0x at 128 and 0.7-0.88x from
+ * 192. OpenBLAS splits a GEMM of 64 or more rows by rows, so each of the two
+ * threads packs all of W; up to ~100 rows that costs more than the kernel's
+ * lower arithmetic rate. MAR-B's head runs 16 x (tokens of the AR step) rows
+ * at batch 8, 16 to 112: a threshold of 32 sent 93% of them to OpenBLAS
+ * (issue 23 found batch 8 no faster per image than batch 1). An
+ * earlier one-thread measurement put the crossover at 32-40 rows; with one
+ * thread OpenBLAS packs W once. With bf16 weights the old path widens all of
+ * W first, and the kernel stays ahead further; one threshold keeps it simple.
  *
  * 16-bit weights keep the semantics of mc_wtype_round / mc_wtype_unpack (ops.h):
  * x is rounded to the weight type once per call (into the packed copy), the

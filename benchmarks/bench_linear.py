@@ -1,0 +1,102 @@
+"""Where the CPU `linear` should leave the small-row kernel for OpenBLAS (issue 23).
+
+`linear` with at most `build_info()["smallrow_max"]` rows runs marcache's small-row kernel
+(csrc/backend/cpu/cpu_smallrow.c), larger ones OpenBLAS through mc_cpu_sgemm. This
+script measures both paths on the shapes MAR-B runs (the head's 1024 x 1024 and
+1024 x 3072 layers, the transformer's 768 x 2304, 768 x 3072 and 3072 x 768) at row
+counts around the threshold, and prints GFLOP/s side by side with the ratio.
+
+It compiles benchmarks/linear_threshold.c against the checkout's C sources and the
+scipy-openblas32 wheel the module links (the module's own flags: -O3 -march=native
+-fopenmp), so both paths are the engine's own code through its backend factory; the
+two alternate pass by pass in one process, weights beyond the L3 (128 MiB per shape),
+the best of 5 passes each. Needs gcc and the built module (its threshold and sgemm rate).
+
+    python benchmarks/bench_linear.py                       # all shapes, 2 threads
+    python benchmarks/bench_linear.py --rows 32 64 128 --shapes 1024x1024
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import print_machine, print_table, sgemm_rate, write_json  # noqa: E402
+
+SHAPES = ("1024x1024", "1024x3072", "768x2304", "768x3072", "3072x768")
+SGEMM_SHAPES = ((512, 1024, 1024),)
+
+
+def build(out_path):
+    import sysconfig
+
+    import scipy_openblas32
+
+    sources = [os.path.join(HERE, "linear_threshold.c")]
+    for folder in ("csrc/backend/cpu", "csrc/backend", "csrc/core"):
+        full = os.path.join(ROOT, folder)
+        sources += sorted(os.path.join(full, f) for f in os.listdir(full) if f.endswith(".c"))
+    lib_dir = scipy_openblas32.get_lib_dir()
+    march = os.environ.get("MARCACHE_MARCH", "native")
+    cmd = [os.environ.get("CC") or (sysconfig.get_config_var("CC") or "gcc").split()[0], "-O3", "-std=c11",
+           "-D_GNU_SOURCE", "-fopenmp", "-DMC_BLAS_NAME=\"scipy-openblas32\"", "-I" + os.path.join(ROOT, "csrc"),
+           "-I" + scipy_openblas32.get_include_dir(), "-o", out_path, *sources, "-L" + lib_dir,
+           "-l" + scipy_openblas32.get_library(), "-Wl,-rpath," + lib_dir, "-lm"]
+    if march:
+        cmd.insert(1, "-march=" + march)
+    subprocess.run(cmd, check=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="INxOUT of the weight")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    shapes = []
+    for s in args.shapes:
+        try:
+            inp, out = (int(v) for v in s.lower().split("x"))
+        except ValueError:
+            ap.error(f"--shapes {s!r}: expected INxOUT, e.g. 1024x3072")
+        shapes.append((inp, out))
+    if min(args.rows) < 1 or args.threads < 1:
+        ap.error("--rows and --threads must be positive")
+
+    exe = os.path.join(HERE, ".cache", "linear_threshold")
+    os.makedirs(os.path.dirname(exe), exist_ok=True)
+    build(exe)
+    peak, by_shape = sgemm_rate(SGEMM_SHAPES, 3)
+    print_machine(by_shape)
+    import marcache as mc
+
+    info = mc.build_info()
+    print(f"small-row ISA {info['cpu_isa']}; default threshold: rows <= {info['smallrow_max']} "
+          f"(MARCACHE_SMALLROW_MAX={os.environ.get('MARCACHE_SMALLROW_MAX', 'unset')}); threads {args.threads}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    rows_out, results = [], []
+    for inp, out in shapes:
+        text = subprocess.run([exe, str(args.threads), str(inp), str(out), *map(str, args.rows)], check=True,
+                              capture_output=True, text=True).stdout
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            rows, small, blas = line.split()
+            rows, small, blas = int(rows), float(small), float(blas)
+            picked = "small-row" if rows <= info["smallrow_max"] else "OpenBLAS"
+            rows_out.append([f"{inp} x {out}", rows, f"{small:.1f}", f"{blas:.1f}", f"{small / blas:.2f}x", picked])
+            results.append({"in": inp, "out": out, "rows": rows, "smallrow_gflops": small, "openblas_gflops": blas})
+        print(f"{inp} x {out} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"\nlinear, fp32, bias, {args.threads} threads; sgemm {peak:.1f} GFLOP/s (NumPy's OpenBLAS, same run)")
+    print_table(["in x out", "rows", "small-row GFLOP/s", "OpenBLAS GFLOP/s", "small-row / OpenBLAS",
+                 "default path"], rows_out)
+    if args.json:
+        write_json(args.json, threads=args.threads, sgemm_gflops=peak, smallrow_max=info["smallrow_max"],
+                   results=results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+/* The CPU backend's `linear` on its two paths, side by side in one process
+ * (issue 23: where the small-row kernel should hand over to OpenBLAS).
+ * Built and run by benchmarks/bench_linear.py; not part of the module.
+ *
+ *   linear_threshold THREADS IN OUT ROWS...
+ *
+ * Two CPU backends are made through the module's own factory, one with
+ * MARCACHE_SMALLROW_MAX=4096 (every call on the small-row kernel,
+ * cpu_smallrow.c) and one with 0 (every call on OpenBLAS through
+ * mc_cpu_sgemm, with the bias written first as mc_cpu_linear does), so each
+ * path is exactly what the engine runs. The weights are as many
+ * [OUT, IN] fp32 matrices as make 128 MiB, more than the L3 of the machines
+ * at hand, and each timed pass runs x [ROWS, IN] through all of them in turn,
+ * so every call reads its W from memory, as the engine's layers do. The two
+ * paths alternate pass by pass; the best of 5 passes each is printed as
+ *   ROWS small-row GFLOP/s  OpenBLAS GFLOP/s */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "backend/ops.h"
+
+mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err);
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static mc_backend *make_backend(const char *smallrow_max, int threads) {
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    setenv("MARCACHE_SMALLROW_MAX", smallrow_max, 1);
+    if (mc_backend_cpu_create(&be, threads, &err) != MC_OK) {
+        fprintf(stderr, "linear_threshold: the CPU backend: %s\n", err.msg);
+        exit(2);
+    }
+    return be;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 5) {
+        fprintf(stderr, "usage: linear_threshold THREADS IN OUT ROWS...\n");
+        return 2;
+    }
+    const int threads = atoi(argv[1]);
+    const int64_t in = atol(argv[2]), out = atol(argv[3]);
+    int64_t max_rows = 0;
+    for (int a = 4; a < argc; a++)
+        if (atol(argv[a]) > max_rows)
+            max_rows = atol(argv[a]);
+    if (threads < 1 || in < 1 || out < 1 || max_rows < 1) {
+        fprintf(stderr, "linear_threshold: THREADS, IN, OUT and ROWS must be positive\n");
+        return 2;
+    }
+    int64_t nmat = (128ll << 20) / (in * out * (int64_t)sizeof(float));
+    nmat = nmat < 1 ? 1 : nmat;
+    float *w = malloc((size_t)(nmat * in * out) * sizeof(float));
+    float *x = malloc((size_t)(max_rows * in) * sizeof(float));
+    float *y = malloc((size_t)(max_rows * out) * sizeof(float));
+    float *bias = malloc((size_t)out * sizeof(float));
+    if (w == NULL || x == NULL || y == NULL || bias == NULL) {
+        fprintf(stderr, "linear_threshold: out of memory\n");
+        return 2;
+    }
+    /* Values of no consequence for speed; deterministic, finite, not denormal. */
+    for (int64_t i = 0; i < nmat * in * out; i++)
+        w[i] = (float)((uint64_t)i * 2654435761u % 1000u) * 1e-3f - 0.5f;
+    for (int64_t i = 0; i < max_rows * in; i++)
+        x[i] = (float)((uint64_t)i * 7919u % 100u) * 1e-2f - 0.5f;
+    for (int64_t i = 0; i < out; i++)
+        bias[i] = 0.01f * (float)(i % 7);
+    mc_backend *paths[2] = {make_backend("4096", threads), make_backend("0", threads)};
+    for (int a = 4; a < argc; a++) {
+        const int64_t rows = atol(argv[a]);
+        double best[2] = {1e30, 1e30};
+        for (int pass = 0; pass < 10; pass++) {
+            const int p = pass % 2;
+            mc_err err = {0};
+            const double t0 = seconds();
+            for (int64_t m = 0; m < nmat; m++)
+                if (paths[p]->ops->linear(paths[p], x, in, rows, in, w + m * in * out, bias, out, MC_ACT_NONE, 0.0f,
+                                          y, out, &err) != MC_OK) {
+                    fprintf(stderr, "linear_threshold: linear: %s\n", err.msg);
+                    return 2;
+                }
+            const double dt = seconds() - t0;
+            best[p] = dt < best[p] ? dt : best[p];
+        }
+        const double flop = 2.0 * (double)rows * (double)in * (double)out * (double)nmat;
+        printf("%lld %.2f %.2f\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9);
+        fflush(stdout);
+    }
+    mc_backend_destroy(paths[0]);
+    mc_backend_destroy(paths[1]);
+    free(w);
+    free(x);
+    free(y);
+    free(bias);
+    return 0;
+}
