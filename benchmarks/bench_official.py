@@ -74,12 +74,15 @@ def marcache_run(args):
     model = mc.load(args.weights, dtype=args.dtype, threads=args.threads)
     cache = mc.LazyMAR() if args.policy == "LazyMAR" else None
     start = time.perf_counter()
-    tokens = model.generate_tokens(labels=labels_for(args.batch), steps=args.steps, cfg=args.cfg, seed=0,
-                                   cache=cache)
+    tokens, info = model.generate_tokens(labels=labels_for(args.batch), steps=args.steps, cfg=args.cfg, seed=0,
+                                         cache=cache, return_info=True)
     seconds = time.perf_counter() - start
     if not np.isfinite(tokens).all():
         raise SystemExit("bench_official: marcache returned non-finite tokens")
-    print(json.dumps(dict(impl="marcache", seconds=seconds)))
+    # The engine's own split of the run (encoder, decoder, head, other), so a ratio can
+    # be read against where marcache's time went.
+    phases = {name: dict(seconds=p["seconds"], flops=p["flops"]) for name, p in info.phases.items()}
+    print(json.dumps(dict(impl="marcache", seconds=seconds, phases=phases)))
 
 
 def timed(cmd, env):
@@ -143,6 +146,7 @@ def main():
     print_machine(shapes)
     torch_info = None
     times = {}  # (load, batch, policy, impl) -> [seconds]
+    phases = {}  # (load, batch, policy) -> [marcache's info.phases of each run]
     for load in args.load:
         for batch in args.batches:
             runs = [(policy, impl) for policy in args.policies for impl in ("official", "marcache")]
@@ -156,6 +160,8 @@ def main():
                         if impl == "official":
                             torch_info = result
                         times.setdefault((load, batch, policy, impl), []).append(result["seconds"])
+                        if impl == "marcache":
+                            phases.setdefault((load, batch, policy), []).append(result["phases"])
                         print(f"{load} batch {batch} round {r}: {policy} {impl}: {result['seconds']:.1f} s "
                               f"(load average {os.getloadavg()[0]:.2f})", flush=True)
                 finally:
@@ -176,6 +182,16 @@ def main():
     print_table(["load", "batch", "policy", "official s/image", "marcache s/image", "ratio"],
                 [[r["load"], r["batch"], r["policy"], f"{r['official'] / r['batch']:.2f}",
                   f"{r['marcache'] / r['batch']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
+    print()
+    print("marcache by phase (the engine's telemetry of its fastest run; s/image, GFLOP/s, % of the sgemm peak):")
+    for key, runs in phases.items():
+        best = min(runs, key=lambda ph: sum(p["seconds"] for p in ph.values()))
+        total_flops = sum(p["flops"] for p in best.values())
+        total_seconds = sum(p["seconds"] for p in best.values())
+        parts = [f"{name} {p['seconds'] / key[1]:.1f} s, {p['flops'] / max(p['seconds'], 1e-9) / 1e9:.0f}"
+                 for name, p in best.items()]
+        print(f"  {key[0]} batch {key[1]} {key[2]}: " + "; ".join(parts) +
+              f"; all {total_flops / total_seconds / 1e9:.0f} GFLOP/s ({100 * total_flops / total_seconds / 1e9 / peak:.0f}%)")
     if "idle" in args.load and "busy" in args.load:
         print()
         print("busy ratio / idle ratio (issue 23 asks >= 80% at batch 1):")
@@ -185,6 +201,7 @@ def main():
                 busy = next(r for r in rows if (r["load"], r["batch"], r["policy"]) == ("busy", batch, policy))
                 print(f"  batch {batch} {policy}: {100 * busy['ratio'] / idle['ratio']:.0f}%")
     write_json(args.json, rows=rows, times={"|".join(map(str, k)): v for k, v in times.items()},
+               marcache_phases={"|".join(map(str, k)): v for k, v in phases.items()},
                torch=torch_info, sgemm_peak=peak, sgemm_shapes=shapes, steps=args.steps, cfg=args.cfg,
                threads=args.threads, model=args.model, dtype=args.dtype)
 
