@@ -215,11 +215,12 @@ def test_the_threshold_benchmark_builds_and_times_both_paths(tmp_path):
         sys.path.pop(0)
     exe = str(tmp_path / "linear_threshold")
     bench_linear.build(exe)
-    out = subprocess.run([exe, "1", "256", "128", "3", "40"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([exe, "1", "256", "128", "3", "40"], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout
     rows = [line.split() for line in out.strip().splitlines()]
     assert [r[0] for r in rows] == ["3", "40"]
     assert all(float(v) > 0 for r in rows for v in r[1:])
-    bad = subprocess.run([exe, "1", "0", "128", "3"], capture_output=True, text=True)
+    bad = subprocess.run([exe, "1", "0", "128", "3"], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "must be positive" in bad.stderr
 
 
