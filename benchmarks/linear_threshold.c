@@ -18,9 +18,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "backend/ops.h"
-
-mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err);
+#include "backend/ops.h" /* mc_backend_cpu_create, mc_backend_destroy */
 
 static double seconds(void) {
     struct timespec t;
