@@ -96,22 +96,22 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
     if (rows <= mc_cpu_smallrow_max(be)) {
         /* Few rows: bound by reading W (cpu_smallrow.c). x is copied once
          * (rounded to a 16-bit weight type, padded to whole vectors). */
-        const int64_t in_pad = (in + MC_SMALLROW_LANES - 1) / MC_SMALLROW_LANES * MC_SMALLROW_LANES;
+        const int64_t ldxp = mc_smallrow_ldxp(in);
         static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
         const float *xp = &no_inputs;
-        if (in_pad > 0) {
+        if (ldxp > 0) {
             /* Sized for the most rows this path takes, not for this call's rows:
              * the scratch then reaches its size at the first call of each input
              * width, and a later run with other row counts (another CFG, batch or
              * scale) never grows it inside the loop (test_var_generate checks). */
-            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(mc_cpu_smallrow_max(be) * in_pad),
+            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(mc_cpu_smallrow_max(be) * ldxp),
                                            "the small-row linear's packed input", err);
             if (packed == NULL)
                 return err->status;
-            mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, in_pad, packed);
+            mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, ldxp, packed);
             xp = packed;
         }
-        const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .in_pad = in_pad, .rows = rows, .in = in,
+        const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .ldxp = ldxp, .rows = rows, .in = in,
                                      .out = out, .w = w, .bias = bias, .act = act, .beta = beta, .y = y, .ldy = ldy};
         mc_cpu_smallrow_run(mc_cpu_isa_of(be), mc_cpu_threads(be), &job);
         return MC_OK;

@@ -104,8 +104,8 @@ int mc_cpu_smallrow_max(mc_backend *be);
  * the op (ops_list.h) with x already packed by mc_cpu_smallrow_pack_x. */
 typedef struct mc_smallrow_job {
     mc_wtype wt;
-    const float *xp;  /* rows x in_pad floats: x rounded to wt, zero past in */
-    int64_t in_pad;   /* in rounded up to a multiple of MC_SMALLROW_LANES */
+    const float *xp;  /* rows of ldxp floats: x rounded to wt, zero past in */
+    int64_t ldxp;     /* xp's row stride, mc_smallrow_ldxp(in) */
     int64_t rows, in, out;
     const void *w;    /* [out, in] of wt */
     const float *bias; /* [out] or NULL */
@@ -115,9 +115,16 @@ typedef struct mc_smallrow_job {
     int64_t ldy;
 } mc_smallrow_job;
 
-/* x rows (row stride ldx) into xp (row stride in_pad), rounded to a 16-bit
- * wt as mc_wtype_round does, zeros in [in, in_pad). */
-void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t rows, int64_t in, int64_t in_pad,
+/* The row stride of the packed x for `in` inputs: in rounded up to whole
+ * chunks of MC_SMALLROW_LANES, plus one chunk where that is an even number
+ * of 64-byte lines. An odd number of lines puts the same input of
+ * successive rows in different L1 sets: with 1024 inputs (4 KiB rows) the
+ * kernels' 5 to 8 x rows at one input all fell in one 8-way set beside the
+ * weights streaming through it (measured: 10-16% slower at 8-16 rows). */
+int64_t mc_smallrow_ldxp(int64_t in);
+/* x rows (row stride ldx) into xp (row stride ldxp), rounded to a 16-bit
+ * wt as mc_wtype_round does, zeros in [in, ldxp). */
+void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t rows, int64_t in, int64_t ldxp,
                             float *xp);
 /* Runs the job with `isa`'s kernel, outputs split across `threads` (one
  * parallel region; serial inside another region or for small jobs). */

@@ -159,9 +159,9 @@ static void mc_smallrow_plain(const mc_smallrow_job *j, int64_t o_begin, int64_t
     const float *w32 = j->w;
     for (int64_t o = o_begin; o < o_end; o++)
         for (int64_t r = 0; r < j->rows; r++) {
-            const float *xr = j->xp + r * j->in_pad;
+            const float *xr = j->xp + r * j->ldxp;
             float lane[MC_SMALLROW_LANES] = {0};
-            for (int64_t i0 = 0; i0 < j->in_pad; i0 += MC_SMALLROW_LANES)
+            for (int64_t i0 = 0; i0 < j->in; i0 += MC_SMALLROW_LANES)
                 for (int l = 0; l < MC_SMALLROW_LANES; l++) {
                     const int64_t i = i0 + l;
                     float wv = 0.0f; /* past `in`: the zero padding of the vector kernels */
@@ -247,6 +247,12 @@ static inline __attribute__((always_inline)) void avx512_reduce_many(const __m51
 }
 
 #define SR_ISA avx512
+/* The narrow path (cpu_smallrow_simd.h) up to 8 rows: R rows x O outputs
+ * with R x O accumulators + O weight vectors + 1 x vector in the 32
+ * registers, O at most 8 (more concurrent weight streams did not help). */
+#define SR_NARROW_ROWS 8
+#define SR_NARROW_OMAX 8
+#define SR_NARROW_O(R) (31 / ((R) + 1) < SR_NARROW_OMAX ? 31 / ((R) + 1) : SR_NARROW_OMAX)
 #define SR_O 5
 #define SR_RMAX 5
 #define SR_VW 16
@@ -314,11 +320,16 @@ static smallrow_kernel kernel_of(mc_cpu_isa isa) {
     return mc_smallrow_plain;
 }
 
-void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t rows, int64_t in, int64_t in_pad,
+int64_t mc_smallrow_ldxp(int64_t in) {
+    const int64_t chunks = (in + MC_SMALLROW_LANES - 1) / MC_SMALLROW_LANES;
+    return (chunks > 0 && chunks % 2 == 0 ? chunks + 1 : chunks) * MC_SMALLROW_LANES;
+}
+
+void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t rows, int64_t in, int64_t ldxp,
                             float *xp) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
-        float *pr = xp + r * in_pad;
+        float *pr = xp + r * ldxp;
         if (wt == MC_WTYPE_F32) {
             memcpy(pr, xr, (size_t)in * sizeof(float));
         } else if (wt == MC_WTYPE_BF16) {
@@ -337,7 +348,7 @@ void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t ro
             for (int64_t i = 0; i < in; i++)
                 pr[i] = mc_wtype_round(wt, xr[i]);
         }
-        for (int64_t i = in; i < in_pad; i++)
+        for (int64_t i = in; i < ldxp; i++)
             pr[i] = 0.0f;
     }
 }
