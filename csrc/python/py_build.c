@@ -1,6 +1,7 @@
 /* Build facts and backend probes of marcache._C: build_info(),
  * sgemm_seconds() (the machine's measured GEMM rate for the benchmarks),
- * and the test hooks _guard_probe(), _cuda_pool_probe() and _nomem_message(). */
+ * and the test hooks _guard_probe(), _cuda_pool_probe(), _nomem_message(),
+ * _cpu_expf() and _cpu_softmax(). */
 #include "py_numpy.h"
 
 #include <time.h>
@@ -370,6 +371,64 @@ static PyObject *nomem_message(PyObject *self, PyObject *args, PyObject *kwargs)
     return Py_BuildValue("(is)", (int)(st == MC_ERR_NOMEM && err.status == MC_ERR_NOMEM), err.msg);
 }
 
+/* _cpu_expf(x, isa) and _cpu_softmax(x, isa):
+ * cpu_vmath.c's functions with one instruction set's code (tests only: the
+ * forms must agree bit for bit and stay near the float64 functions). x: a
+ * float32 array, 1-D, or 2-D for softmax (each row softmaxed). */
+enum { VMATH_EXPF, VMATH_SOFTMAX };
+static const char *const vmath_names[] = {"_cpu_expf", "_cpu_softmax"};
+
+static PyObject *cpu_vmath(PyObject *args, int what) {
+    const int softmax = what == VMATH_SOFTMAX;
+    PyObject *obj;
+    const char *isa_name;
+    if (!PyArg_ParseTuple(args, "Os", &obj, &isa_name))
+        return NULL;
+    const char *fn = vmath_names[what];
+    mc_cpu_isa isa;
+    if (strcmp(isa_name, "avx512") == 0)
+        isa = MC_CPU_ISA_AVX512;
+    else if (strcmp(isa_name, "avx2") == 0)
+        isa = MC_CPU_ISA_AVX2;
+    else if (strcmp(isa_name, "plain") == 0)
+        isa = MC_CPU_ISA_PLAIN;
+    else
+        return PyErr_Format(PyExc_ValueError, "%s: isa '%s': expected avx512, avx2 or plain", fn, isa_name);
+    if (!mc_cpu_isa_supported(isa))
+        return PyErr_Format(PyExc_ValueError, "%s: this CPU does not support %s", fn, isa_name);
+    PyArrayObject *x = (PyArrayObject *)PyArray_FROMANY(obj, NPY_FLOAT32, softmax ? 2 : 1, softmax ? 2 : 1,
+                                                        NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    if (x == NULL)
+        return NULL;
+    PyArrayObject *y = (PyArrayObject *)PyArray_NewLikeArray(x, NPY_CORDER, NULL, 0);
+    if (y == NULL) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    const float *src = PyArray_DATA(x);
+    float *dst = PyArray_DATA(y);
+    const int64_t n = (int64_t)PyArray_SIZE(x);
+    if (softmax) {
+        const int64_t rows = (int64_t)PyArray_DIM(x, 0), cols = (int64_t)PyArray_DIM(x, 1);
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        mc_cpu_softmax_rows(isa, dst, rows, cols, cols);
+    } else {
+        mc_cpu_expf_array(isa, src, dst, n);
+    }
+    Py_DECREF(x);
+    return (PyObject *)y;
+}
+
+static PyObject *cpu_expf(PyObject *self, PyObject *args) {
+    (void)self;
+    return cpu_vmath(args, VMATH_EXPF);
+}
+
+static PyObject *cpu_softmax(PyObject *self, PyObject *args) {
+    (void)self;
+    return cpu_vmath(args, VMATH_SOFTMAX);
+}
+
 static PyMethodDef build_methods[] = {
     {"_nomem_message", (PyCFunction)(void (*)(void))nomem_message, METH_VARARGS | METH_KEYWORDS,
      "_nomem_message(count, each, what, because=None, sized=True) -> (is MC_ERR_NOMEM, message) of the "
@@ -378,6 +437,11 @@ static PyMethodDef build_methods[] = {
      "_guard_probe(touch) -> 42.0 read back from a guard buffer; touch=True reads it on the host "
      "instead, which must fault (tests only)."},
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
+    {"_cpu_expf", cpu_expf, METH_VARARGS,
+     "_cpu_expf(x, isa) -> the CPU backend's expf of a 1-D float32 array with isa's code (tests only)"},
+    {"_cpu_softmax", cpu_softmax, METH_VARARGS,
+     "_cpu_softmax(x, isa) -> the CPU backend's softmax of each row of a 2-D float32 array (tests only)"},
+
     {"sgemm_seconds", sgemm_seconds, METH_VARARGS,
      "sgemm_seconds(m, n, k, reps) -> best seconds of one CPU-backend sgemm C[m,n] = A[m,k] B[n,k]^T"},
     {"_cublas_register_dirs", cublas_register_dirs, METH_O,

@@ -2,8 +2,8 @@
  *
  * For one (batch item, head): the scores of every segment are written side by
  * side into one row buffer (S_s = scale * Q K_s^T, one GEMM per segment), the
- * softmax runs over the whole row (a single running max and sum, which is
- * exactly the online-softmax merge of the segments), and O = sum_s P_s V_s
+ * softmax runs over the whole row (a single max and sum, which is exactly
+ * the online-softmax merge of the segments; cpu_vmath.c), and O = sum_s P_s V_s
  * accumulates one GEMM per segment. No K/V bytes are copied.
  *
  * (batch, head) pairs are independent, so OpenMP splits them; the GEMMs
@@ -12,23 +12,6 @@
 #include <omp.h>
 
 #include "cpu_internal.h"
-
-static void softmax_rows_inplace(float *s, int64_t rows, int64_t cols, int64_t ld) {
-    for (int64_t i = 0; i < rows; i++) {
-        float *row = s + i * ld;
-        float max = -INFINITY;
-        for (int64_t j = 0; j < cols; j++)
-            max = row[j] > max ? row[j] : max;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < cols; j++) {
-            row[j] = expf(row[j] - max);
-            sum += row[j];
-        }
-        float inv = 1.0f / sum;
-        for (int64_t j = 0; j < cols; j++)
-            row[j] *= inv;
-    }
-}
 
 /* dst[r, :cols] = 16-bit rounding of src[r, :cols] (row strides lds, ldd). */
 static void round_rows(mc_wtype t, const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst,
@@ -43,7 +26,7 @@ static void round_rows(mc_wtype t, const float *src, int64_t lds, int64_t rows, 
  * float32 softmax, probabilities rounded, one P V GEMM. An emulation of the
  * CUDA tensor-core kernel's arithmetic (up to its summation order and its
  * tile-wise running max), so that CPU and GPU runs of a 16-bit model agree. */
-static void attention_pair_16bit(mc_wtype t, int64_t nq, int head_dim, float scale, const float *qb,
+static void attention_pair_16bit(mc_cpu_isa isa, mc_wtype t, int64_t nq, int head_dim, float scale, const float *qb,
                                  int64_t ldq, const mc_kv_segment *segs, int nsegs, int64_t b, int h,
                                  int64_t total_keys, float *s, float *ob, int64_t ldo) {
     float *qr = s + nq * total_keys, *kr = qr + nq * head_dim, *vr = kr + total_keys * head_dim;
@@ -56,7 +39,7 @@ static void attention_pair_16bit(mc_wtype t, int64_t nq, int head_dim, float sca
         row += segs[g].rows;
     }
     mc_cpu_sgemm(1, 0, 1, nq, total_keys, head_dim, scale, qr, head_dim, kr, head_dim, 0.0f, s, total_keys);
-    softmax_rows_inplace(s, nq, total_keys, total_keys);
+    mc_cpu_softmax_rows(isa, s, nq, total_keys, total_keys);
     round_rows(t, s, total_keys, nq, total_keys, s, total_keys);
     mc_cpu_sgemm(1, 0, 0, nq, head_dim, total_keys, 1.0f, s, total_keys, vr, head_dim, 0.0f, ob, ldo);
 }
@@ -81,6 +64,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
     if (threads > 64)
         threads = 64;
     const int rounded = mc_attention_is_16bit(be, head_dim);
+    const mc_cpu_isa isa = mc_cpu_isa_of(be);
     const size_t per_thread =
         (size_t)(nq * total_keys) + (rounded ? (size_t)((nq + 2 * total_keys) * head_dim) : 0);
     for (int t = 0; t < threads; t++) {
@@ -96,7 +80,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
         const float *qb = q + b * q_bstride + h * head_dim;
         float *ob = out + b * o_bstride + h * head_dim;
         if (rounded) {
-            attention_pair_16bit(be->linear_wtype, nq, head_dim, scale, qb, ldq, segs, nsegs, b, (int)h,
+            attention_pair_16bit(isa, be->linear_wtype, nq, head_dim, scale, qb, ldq, segs, nsegs, b, (int)h,
                                  total_keys, s, ob, ldo);
             continue;
         }
@@ -109,7 +93,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
                          s + col, total_keys);
             col += segs[g].rows;
         }
-        softmax_rows_inplace(s, nq, total_keys, total_keys);
+        mc_cpu_softmax_rows(isa, s, nq, total_keys, total_keys);
         col = 0;
         int first = 1;
         for (int g = 0; g < nsegs; g++) {
@@ -137,6 +121,7 @@ mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int h
     if (threads > 64)
         threads = 64;
     float *scores[64];
+    const mc_cpu_isa isa = mc_cpu_isa_of(be);
     for (int t = 0; t < threads; t++) {
         scores[t] = mc_cpu_scratch(be, t, (size_t)(nq * keys + 1), "a thread's attention_mass scores", err);
         if (scores[t] == NULL)
@@ -155,7 +140,7 @@ mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int h
                 break;
             mc_cpu_sgemm(1, 0, 1, nq, keys, head_dim, scale, q + b * q_bstride + (int64_t)h * head_dim, ldq,
                          k + b * k_bstride + (int64_t)h * head_dim, ldk, 0.0f, s, keys);
-            softmax_rows_inplace(s, nq, keys, keys);
+            mc_cpu_softmax_rows(isa, s, nq, keys, keys);
             for (int64_t i = 0; i < nq; i++)
                 for (int64_t j = 0; j < keys; j++)
                     ob[j] += s[i * keys + j];

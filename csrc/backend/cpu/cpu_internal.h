@@ -98,6 +98,16 @@ mc_cpu_isa mc_cpu_isa_best(void);
  * checked: a bad value is MC_ERR_VALUE naming the variable). */
 mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err);
 mc_cpu_isa mc_cpu_isa_of(mc_backend *be);
+
+/* ---- Vector math: expf and softmax rows (cpu_vmath.c; issue 23). ---- */
+/* e^x from IEEE operations only: the same bits on every ISA and C library,
+ * within 2 ulp of the exact value. */
+float mc_expf(float x);
+/* y[i] = mc_expf(x[i]) with isa's vectors (the same bits). */
+void mc_cpu_expf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n);
+/* Each of `rows` rows of `cols` (stride ld) replaced by its softmax, in
+ * place, in one order for every isa. */
+void mc_cpu_softmax_rows(mc_cpu_isa isa, float *s, int64_t rows, int64_t cols, int64_t ld);
 int mc_cpu_smallrow_max(mc_backend *be);
 
 /* One small-row linear: y = beta * y + act(xp W^T + bias), the contract of

@@ -1,0 +1,101 @@
+"""The CPU backend's expf and softmax rows (csrc/backend/cpu/cpu_vmath.c, issue 23).
+
+The attention softmax runs marcache's own expf (IEEE operations only: the same bits on
+every instruction set and C library) with lane sums in a fixed order. These tests hold
+the expf to the float64 exp (within 2 ulp over the whole float range, exact at the
+special values), every instruction set to the plain form bit for bit, and the softmax row
+to a NumPy emulation of its documented order bit for bit and to the float64 softmax."""
+import numpy as np
+import pytest
+
+from marcache import _C
+
+F32 = np.float32
+SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
+ISAS = tuple(isa for isa in ("plain", "avx2", "avx512") if isa in SUPPORTED)
+
+
+def sweep():
+    """Every 61st float32 bit pattern in [-104, 89] plus the edges (about 35 M / 61)."""
+    lo = np.array(-104.5, F32).view(np.uint32)  # negative floats: larger patterns are more negative
+    hi = np.array(89.5, F32).view(np.uint32)
+    neg = np.arange(0x80000000, lo, 61, dtype=np.uint32).view(F32)
+    pos = np.arange(0, hi, 61, dtype=np.uint32).view(F32)
+    edges = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.7228, 88.72284, 88.7229, -87.33654, -87.3366,
+                      -103.9, -103.97, -104.0, -200.0, 200.0, 1e-30, -1e-30], F32)
+    return np.concatenate([neg, pos, edges])
+
+
+@pytest.fixture(scope="module")
+def points():
+    x = sweep()
+    return x, _C._cpu_expf(x, "plain")
+
+
+def test_expf_is_within_two_ulp_of_the_float64_exp(points):
+    x, got = points
+    want = np.exp(x.astype(np.float64))
+    normal = np.isfinite(x) & (want >= np.finfo(F32).tiny) & (want <= np.finfo(F32).max)
+    ulp = np.spacing(want[normal].astype(F32)).astype(np.float64)
+    err = np.abs(got[normal].astype(np.float64) - want[normal]) / ulp
+    assert err.max() <= 2.0, (err.max(), x[normal][np.argmax(err)])
+    # below the normal range: within one subnormal step (2^-149) of the exact value
+    sub = np.isfinite(x) & (want < np.finfo(F32).tiny)
+    assert np.abs(got[sub].astype(np.float64) - want[sub]).max() <= 2.0 ** -149
+    # past the largest float: inf, as the exact value rounds
+    big = np.isfinite(x) & (want > np.finfo(F32).max * (1 + 2.0 ** -25))
+    assert np.all(got[big] == np.inf)
+
+
+def test_expf_special_values():
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, -1000.0, 1000.0], F32)
+    for isa in ISAS:
+        got = _C._cpu_expf(x, isa)
+        assert np.isnan(got[0]), isa
+        assert got[1:].tolist() == [np.inf, 0.0, 1.0, 1.0, 0.0, np.inf], isa
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "plain"])
+def test_expf_isas_agree_bit_for_bit(points, isa):
+    x, want = points
+    for n in (len(x), 1, 7, 8, 15, 17, 33):  # whole vectors and the tails
+        got = _C._cpu_expf(x[:n], isa)
+        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+
+
+def emulate_softmax(x):
+    """The documented order in NumPy: e = the backend's expf(x - max), lane j % 16 sums
+    its e in increasing j (float32 adds), the lanes summed l + 8, l + 4, l + 2, l + 1,
+    then e * (1 / sum)."""
+    out = np.empty_like(x)
+    for i, row in enumerate(x):
+        e = _C._cpu_expf((row - row.max()).astype(F32), "plain")
+        lane = np.zeros(16, F32)
+        for j, v in enumerate(e):
+            lane[j % 16] = F32(lane[j % 16] + v)
+        b = lane[:8] + lane[8:]
+        c = b[:4] + b[4:]
+        s = F32(F32(c[0] + c[2]) + F32(c[1] + c[3]))
+        out[i] = e * (F32(1.0) / s)
+    return out
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 40, 320])
+@pytest.mark.parametrize("isa", ISAS)
+def test_softmax_rows_follow_the_documented_order(isa, cols):
+    rng = np.random.default_rng(cols)
+    x = (rng.standard_normal((3, cols)) * 4).astype(F32)
+    x[1] -= 50.0  # large negative scores: the max subtracted first
+    got = _C._cpu_softmax(x, isa)
+    np.testing.assert_array_equal(got, emulate_softmax(x))
+    xd = x.astype(np.float64)
+    want = np.exp(xd - xd.max(axis=1, keepdims=True))
+    want /= want.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
+
+
+def test_hooks_reject_bad_arguments():
+    with pytest.raises(ValueError, match="isa 'sse'"):
+        _C._cpu_expf(np.zeros(3, F32), "sse")
+    with pytest.raises(ValueError):
+        _C._cpu_softmax(np.zeros(3, F32), "plain")  # softmax rows: 2-D
