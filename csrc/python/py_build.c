@@ -375,24 +375,14 @@ static PyObject *nomem_message(PyObject *self, PyObject *args, PyObject *kwargs)
  * cpu_vmath.c's functions with one instruction set's code (tests only: the
  * forms must agree bit for bit and stay near the float64 functions). x: a
  * float32 array, 1-D, or 2-D for softmax (each row softmaxed). */
-enum { VMATH_EXPF, VMATH_SOFTMAX };
-static const char *const vmath_names[] = {"_cpu_expf", "_cpu_softmax"};
-
-static PyObject *cpu_vmath(PyObject *args, int what) {
-    const int softmax = what == VMATH_SOFTMAX;
+static PyObject *cpu_vmath(PyObject *args, int softmax) {
     PyObject *obj;
     const char *isa_name;
     if (!PyArg_ParseTuple(args, "Os", &obj, &isa_name))
         return NULL;
-    const char *fn = vmath_names[what];
+    const char *fn = softmax ? "_cpu_softmax" : "_cpu_expf";
     mc_cpu_isa isa;
-    if (strcmp(isa_name, "avx512") == 0)
-        isa = MC_CPU_ISA_AVX512;
-    else if (strcmp(isa_name, "avx2") == 0)
-        isa = MC_CPU_ISA_AVX2;
-    else if (strcmp(isa_name, "plain") == 0)
-        isa = MC_CPU_ISA_PLAIN;
-    else
+    if (!mc_cpu_isa_from_name(isa_name, &isa))
         return PyErr_Format(PyExc_ValueError, "%s: isa '%s': expected avx512, avx2 or plain", fn, isa_name);
     if (!mc_cpu_isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "%s: this CPU does not support %s", fn, isa_name);
@@ -421,12 +411,12 @@ static PyObject *cpu_vmath(PyObject *args, int what) {
 
 static PyObject *cpu_expf(PyObject *self, PyObject *args) {
     (void)self;
-    return cpu_vmath(args, VMATH_EXPF);
+    return cpu_vmath(args, 0);
 }
 
 static PyObject *cpu_softmax(PyObject *self, PyObject *args) {
     (void)self;
-    return cpu_vmath(args, VMATH_SOFTMAX);
+    return cpu_vmath(args, 1);
 }
 
 static PyMethodDef build_methods[] = {

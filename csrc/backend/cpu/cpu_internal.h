@@ -94,6 +94,9 @@ typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_
 const char *mc_cpu_isa_name(mc_cpu_isa isa);
 int mc_cpu_isa_supported(mc_cpu_isa isa);
 mc_cpu_isa mc_cpu_isa_best(void);
+/* *isa = the ISA named by mc_cpu_isa_name's `name`; 0 (isa untouched) for
+ * any other name. */
+int mc_cpu_isa_from_name(const char *name, mc_cpu_isa *isa);
 /* The ISA and threshold a CPU backend made now uses (the environment read,
  * checked: a bad value is MC_ERR_VALUE naming the variable). */
 mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err);

@@ -81,6 +81,16 @@ int mc_cpu_isa_supported(mc_cpu_isa isa) {
     return 0;
 }
 
+int mc_cpu_isa_from_name(const char *name, mc_cpu_isa *isa) {
+    static const mc_cpu_isa all[] = {MC_CPU_ISA_AVX512, MC_CPU_ISA_AVX2, MC_CPU_ISA_PLAIN};
+    for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
+        if (strcmp(name, mc_cpu_isa_name(all[k])) == 0) {
+            *isa = all[k];
+            return 1;
+        }
+    return 0;
+}
+
 mc_cpu_isa mc_cpu_isa_best(void) {
     if (mc_cpu_isa_supported(MC_CPU_ISA_AVX512))
         return MC_CPU_ISA_AVX512;
@@ -91,14 +101,7 @@ mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err
     const char *name = getenv("MARCACHE_CPU_ISA");
     *isa = mc_cpu_isa_best();
     if (name != NULL && *name != '\0' && strcmp(name, "auto") != 0) {
-        static const mc_cpu_isa all[] = {MC_CPU_ISA_AVX512, MC_CPU_ISA_AVX2, MC_CPU_ISA_PLAIN};
-        int found = 0;
-        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
-            if (strcmp(name, mc_cpu_isa_name(all[k])) == 0) {
-                *isa = all[k];
-                found = 1;
-            }
-        if (!found)
+        if (!mc_cpu_isa_from_name(name, isa))
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_CPU_ISA='%.64s': expected auto, avx512, avx2 or plain",
                            name);
         if (!mc_cpu_isa_supported(*isa))

@@ -91,6 +91,11 @@ static float exp_sum_plain(float *row, int64_t n, float max) {
     return mc_smallrow_reduce16(lane);
 }
 
+static void scale_plain(float *row, int64_t n, float inv) {
+    for (int64_t j = 0; j < n; j++)
+        row[j] *= inv;
+}
+
 #if MC_VMATH_X86
 /* The vector forms of mc_expf, operation for operation (the NaN test last:
  * the clamp's min/max would otherwise drop it). */
@@ -231,32 +236,24 @@ void mc_cpu_expf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n) {
 }
 
 void mc_cpu_softmax_rows(mc_cpu_isa isa, float *s, int64_t rows, int64_t cols, int64_t ld) {
+    float (*exp_sum)(float *row, int64_t n, float max) = exp_sum_plain;
+    void (*scale)(float *row, int64_t n, float inv) = scale_plain;
+#if MC_VMATH_X86
+    if (isa == MC_CPU_ISA_AVX512) {
+        exp_sum = exp_sum_avx512;
+        scale = scale_avx512;
+    } else if (isa == MC_CPU_ISA_AVX2) {
+        exp_sum = exp_sum_avx2;
+        scale = scale_avx2;
+    }
+#else
+    (void)isa;
+#endif
     for (int64_t i = 0; i < rows; i++) {
         float *row = s + i * ld;
         float max = -INFINITY;
         for (int64_t j = 0; j < cols; j++) /* exact in any order */
             max = row[j] > max ? row[j] : max;
-        float sum;
-#if MC_VMATH_X86
-        if (isa == MC_CPU_ISA_AVX512)
-            sum = exp_sum_avx512(row, cols, max);
-        else if (isa == MC_CPU_ISA_AVX2)
-            sum = exp_sum_avx2(row, cols, max);
-        else
-#endif
-            sum = exp_sum_plain(row, cols, max);
-        const float inv = 1.0f / sum;
-#if MC_VMATH_X86
-        if (isa == MC_CPU_ISA_AVX512) {
-            scale_avx512(row, cols, inv);
-            continue;
-        }
-        if (isa == MC_CPU_ISA_AVX2) {
-            scale_avx2(row, cols, inv);
-            continue;
-        }
-#endif
-        for (int64_t j = 0; j < cols; j++)
-            row[j] *= inv;
+        scale(row, cols, 1.0f / exp_sum(row, cols, max));
     }
 }
