@@ -1,10 +1,14 @@
-"""The CPU backend's expf and softmax rows (csrc/backend/cpu/cpu_vmath.c, issue 23).
+"""The CPU backend's expf, softmax rows and GELU (csrc/backend/cpu/cpu_vmath.c, issue 23).
 
 The attention softmax runs marcache's own expf (IEEE operations only: the same bits on
-every instruction set and C library) with lane sums in a fixed order. These tests hold
-the expf to the float64 exp (within 2 ulp over the whole float range, exact at the
-special values), every instruction set to the plain form bit for bit, and the softmax row
-to a NumPy emulation of its documented order bit for bit and to the float64 softmax."""
+every instruction set and C library) with lane sums in a fixed order; the MLP's exact-erf
+GELU is built on it the same way. These tests hold the expf to the float64 exp (within 2
+ulp over the whole float range, exact at the special values), the GELU to the float64
+GELU (within 6 ulp wherever the result is a normal float, the negative tail included),
+every instruction set to the plain form bit for bit, and the softmax row to a NumPy
+emulation of its documented order bit for bit and to the float64 softmax."""
+import math
+
 import numpy as np
 import pytest
 
@@ -94,8 +98,70 @@ def test_softmax_rows_follow_the_documented_order(isa, cols):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
 
 
+def gelu64(x):
+    """GELU in float64 from the math module: x/2 (1 + erf(x / sqrt 2)), with erfc for
+    x < 0 so the negative tail keeps its relative accuracy."""
+    def one(v):
+        z = abs(v) / math.sqrt(2.0)
+        return 0.5 * v * (math.erfc(z) if v < 0 else 1.0 + math.erf(z))
+    return np.vectorize(one, otypes=[np.float64])(x.astype(np.float64))
+
+
+def gelu_sweep():
+    """Every 1009th float32 bit pattern in (-16, 16) (2.2 M), every float within 2048
+    patterns of the form boundaries (|x| = 0.85, 15), and the specials."""
+    pos = np.arange(0, np.array(16.0, F32).view(np.uint32), 1009, dtype=np.uint32)
+    neg = pos | np.uint32(0x80000000)
+    near = []
+    for edge in (0.85, 15.0):
+        e = int(np.array(edge, F32).view(np.uint32))
+        near.append(np.arange(e - 2048, e + 2048, dtype=np.uint32))
+    near = np.concatenate(near)
+    return np.concatenate([pos, neg, near, near | np.uint32(0x80000000)]).view(F32)
+
+
+@pytest.fixture(scope="module")
+def gelu_points():
+    x = gelu_sweep()
+    return x, _C._cpu_gelu(x, "plain")
+
+
+def test_gelu_is_within_six_ulp_of_the_float64_gelu(gelu_points):
+    x, got = gelu_points
+    want = gelu64(x)
+    normal = np.abs(want) >= np.finfo(F32).tiny
+    ulp = np.spacing(np.abs(want[normal]).astype(F32)).astype(np.float64)
+    err = np.abs(got[normal].astype(np.float64) - want[normal]) / ulp
+    assert err.max() <= 6.0, (err.max(), x[normal][np.argmax(err)])
+    assert err.mean() <= 0.2, err.mean()  # 0.09 measured: most points are exact or 1 ulp
+    # the negative tail's subnormal results: within 6 subnormal steps
+    assert np.abs(got[~normal].astype(np.float64) - want[~normal]).max() <= 6 * 2.0 ** -149
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "plain"])
+def test_gelu_isas_agree_bit_for_bit(gelu_points, isa):
+    x, want = gelu_points
+    for n in (len(x), 1, 7, 8, 15, 17, 33):  # whole vectors and the tails
+        got = _C._cpu_gelu(x[:n], isa)
+        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+
+
+def test_gelu_special_values():
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 100.0, -100.0, 1e-40, 6.0, -20.0], F32)
+    for isa in ISAS:
+        got = _C._cpu_gelu(x, isa)
+        assert np.isnan(got[0]) and np.isnan(got[2]), isa  # -inf * 0: NaN, as in PyTorch's formula
+        assert got[1] == np.inf and got[5] == 100.0 and got[8] == 6.0, isa
+        assert got[3] == 0.0 and not np.signbit(got[3]) and np.signbit(got[4]), isa
+        assert got[6] == 0.0 and np.signbit(got[6]), isa  # -100 Phi(-100) rounds to -0
+        assert got[7] == np.float32(5e-41), isa  # x / 2 for a subnormal x
+        assert got[9] == 0.0, isa
+
+
 def test_hooks_reject_bad_arguments():
     with pytest.raises(ValueError, match="isa 'sse'"):
         _C._cpu_expf(np.zeros(3, F32), "sse")
+    with pytest.raises(ValueError, match="_cpu_gelu: isa 'sse'"):
+        _C._cpu_gelu(np.zeros(3, F32), "sse")
     with pytest.raises(ValueError):
         _C._cpu_softmax(np.zeros(3, F32), "plain")  # softmax rows: 2-D

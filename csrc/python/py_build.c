@@ -1,7 +1,7 @@
 /* Build facts and backend probes of marcache._C: build_info(),
  * sgemm_seconds() (the machine's measured GEMM rate for the benchmarks),
  * and the test hooks _guard_probe(), _cuda_pool_probe(), _nomem_message(),
- * _cpu_expf() and _cpu_softmax(). */
+ * _cpu_expf(), _cpu_gelu() and _cpu_softmax(). */
 #include "py_numpy.h"
 
 #include <time.h>
@@ -371,22 +371,26 @@ static PyObject *nomem_message(PyObject *self, PyObject *args, PyObject *kwargs)
     return Py_BuildValue("(is)", (int)(st == MC_ERR_NOMEM && err.status == MC_ERR_NOMEM), err.msg);
 }
 
-/* _cpu_expf(x, isa) and _cpu_softmax(x, isa):
+/* _cpu_expf(x, isa), _cpu_gelu(x, isa) and _cpu_softmax(x, isa):
  * cpu_vmath.c's functions with one instruction set's code (tests only: the
  * forms must agree bit for bit and stay near the float64 functions). x: a
  * float32 array, 1-D, or 2-D for softmax (each row softmaxed). */
-static PyObject *cpu_vmath(PyObject *args, int softmax) {
+typedef enum vmath_fn { VMATH_EXPF, VMATH_GELU, VMATH_SOFTMAX } vmath_fn;
+
+static PyObject *cpu_vmath(PyObject *args, vmath_fn which) {
+    static const char *const names[] = {"_cpu_expf", "_cpu_gelu", "_cpu_softmax"};
+    const char *fn = names[which];
     PyObject *obj;
     const char *isa_name;
     if (!PyArg_ParseTuple(args, "Os", &obj, &isa_name))
         return NULL;
-    const char *fn = softmax ? "_cpu_softmax" : "_cpu_expf";
     mc_cpu_isa isa;
     if (!mc_cpu_isa_from_name(isa_name, &isa))
         return PyErr_Format(PyExc_ValueError, "%s: isa '%s': expected avx512, avx2 or plain", fn, isa_name);
     if (!mc_cpu_isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "%s: this CPU does not support %s", fn, isa_name);
-    PyArrayObject *x = (PyArrayObject *)PyArray_FROMANY(obj, NPY_FLOAT32, softmax ? 2 : 1, softmax ? 2 : 1,
+    const int ndim = which == VMATH_SOFTMAX ? 2 : 1;
+    PyArrayObject *x = (PyArrayObject *)PyArray_FROMANY(obj, NPY_FLOAT32, ndim, ndim,
                                                         NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
     if (x == NULL)
         return NULL;
@@ -398,12 +402,19 @@ static PyObject *cpu_vmath(PyObject *args, int softmax) {
     const float *src = PyArray_DATA(x);
     float *dst = PyArray_DATA(y);
     const int64_t n = (int64_t)PyArray_SIZE(x);
-    if (softmax) {
+    switch (which) {
+    case VMATH_EXPF:
+        mc_cpu_expf_array(isa, src, dst, n);
+        break;
+    case VMATH_GELU:
+        mc_cpu_gelu_erf_array(isa, src, dst, n);
+        break;
+    case VMATH_SOFTMAX: {
         const int64_t rows = (int64_t)PyArray_DIM(x, 0), cols = (int64_t)PyArray_DIM(x, 1);
         memcpy(dst, src, (size_t)n * sizeof(float));
         mc_cpu_softmax_rows(isa, dst, rows, cols, cols);
-    } else {
-        mc_cpu_expf_array(isa, src, dst, n);
+        break;
+    }
     }
     Py_DECREF(x);
     return (PyObject *)y;
@@ -411,12 +422,17 @@ static PyObject *cpu_vmath(PyObject *args, int softmax) {
 
 static PyObject *cpu_expf(PyObject *self, PyObject *args) {
     (void)self;
-    return cpu_vmath(args, 0);
+    return cpu_vmath(args, VMATH_EXPF);
+}
+
+static PyObject *cpu_gelu(PyObject *self, PyObject *args) {
+    (void)self;
+    return cpu_vmath(args, VMATH_GELU);
 }
 
 static PyObject *cpu_softmax(PyObject *self, PyObject *args) {
     (void)self;
-    return cpu_vmath(args, 1);
+    return cpu_vmath(args, VMATH_SOFTMAX);
 }
 
 static PyMethodDef build_methods[] = {
@@ -429,6 +445,8 @@ static PyMethodDef build_methods[] = {
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
     {"_cpu_expf", cpu_expf, METH_VARARGS,
      "_cpu_expf(x, isa) -> the CPU backend's expf of a 1-D float32 array with isa's code (tests only)"},
+    {"_cpu_gelu", cpu_gelu, METH_VARARGS,
+     "_cpu_gelu(x, isa) -> the CPU backend's exact-erf GELU of a 1-D float32 array with isa's code (tests only)"},
     {"_cpu_softmax", cpu_softmax, METH_VARARGS,
      "_cpu_softmax(x, isa) -> the CPU backend's softmax of each row of a 2-D float32 array (tests only)"},
 
