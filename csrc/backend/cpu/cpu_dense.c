@@ -146,6 +146,27 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
     return MC_OK;
 }
 
+/* The sum over a row of (x[i] - mean), or of its squares, in double: lane
+ * i % 8 adds its elements in increasing i, then the lanes in a fixed tree.
+ * Eight independent sums let GCC vectorise the loop (one serial chain of
+ * double adds was 1.6% of a batch-1 MAR-B profile), in one order whatever
+ * the vector width. */
+enum { ROW_SUM_LANES = 8 };
+static double row_sum_f64(const float *x, int64_t n, double mean, int squares) {
+    double lane[ROW_SUM_LANES] = {0};
+    int64_t i = 0;
+    for (; i + ROW_SUM_LANES <= n; i += ROW_SUM_LANES)
+        for (int l = 0; l < ROW_SUM_LANES; l++) {
+            const double d = (double)x[i + l] - mean;
+            lane[l] += squares ? d * d : d;
+        }
+    for (int l = 0; i < n; i++, l++) {
+        const double d = (double)x[i] - mean;
+        lane[l] += squares ? d * d : d;
+    }
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+}
+
 mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
                            const float *w, const float *b, float eps, const float *shift,
                            const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err) {
@@ -156,18 +177,12 @@ mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t 
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
-        /* Two-pass statistics in double: rows are short, and this keeps the
-         * result independent of summation order on every backend. */
-        double sum = 0.0;
-        for (int64_t i = 0; i < dim; i++)
-            sum += xr[i];
-        double mean = sum / (double)dim;
-        double sq = 0.0;
-        for (int64_t i = 0; i < dim; i++) {
-            double d = xr[i] - mean;
-            sq += d * d;
-        }
-        double inv = 1.0 / sqrt(sq / (double)dim + (double)eps);
+        /* Two-pass statistics in double: rows are short, and double sums make
+         * the float result all but independent of summation order on every
+         * backend. */
+        const double mean = row_sum_f64(xr, dim, 0.0, 0) / (double)dim;
+        const double sq = row_sum_f64(xr, dim, mean, 1);
+        const double inv = 1.0 / sqrt(sq / (double)dim + (double)eps);
         for (int64_t i = 0; i < dim; i++)
             yr[i] = (float)(((double)xr[i] - mean) * inv);
         if (w != NULL)
