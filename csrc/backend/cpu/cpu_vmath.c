@@ -243,7 +243,7 @@ static void scale_plain(float *row, int64_t n, float inv) {
         return pre##_mul_ps(pre##_mul_ps(pre##_set1_ps(0.5f), x), g);                                       \
     }
 
-#define GELU_ARRAY(isa, vec, width, load, store)                                                            \
+#define GELU_ARRAY(isa, width, load, store)                                                                 \
     static void gelu_##isa(const float *x, float *y, int64_t n) {                                           \
         int64_t i = 0;                                                                                      \
         for (; i + (width) <= n; i += (width))                                                              \
@@ -261,7 +261,7 @@ EXP_VECTOR(avx512, _mm512, __m512, __m512i, AVX512_ROUND, _mm512_castsi512_ps, A
 #define AVX512_GT(a, b) _mm512_cmp_ps_mask((a), (b), _CMP_GT_OQ)
 #define AVX512_SELECT(m, a, b) _mm512_mask_blend_ps((m), (b), (a))
 GELU_VECTOR(avx512, _mm512, __m512, _mm512_abs_ps, AVX512_LT, AVX512_GT, AVX512_SELECT)
-GELU_ARRAY(avx512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps)
+GELU_ARRAY(avx512, 16, _mm512_loadu_ps, _mm512_storeu_ps)
 static void expf_avx512(const float *x, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -318,7 +318,7 @@ EXP_VECTOR(avx2, _mm256, __m256, __m256i, AVX2_ROUND, _mm256_castsi256_ps, AVX2_
 #define AVX2_SELECT(m, a, b) _mm256_blendv_ps((b), (a), (m))
 #define AVX2_ABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
 GELU_VECTOR(avx2, _mm256, __m256, AVX2_ABS, AVX2_LT, AVX2_GT, AVX2_SELECT)
-GELU_ARRAY(avx2, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps)
+GELU_ARRAY(avx2, 8, _mm256_loadu_ps, _mm256_storeu_ps)
 static void expf_avx2(const float *x, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
