@@ -1,12 +1,13 @@
-"""The CPU backend's expf, softmax rows and GELU (csrc/backend/cpu/cpu_vmath.c, issue 23).
+"""The CPU backend's expf, softmax rows, GELU and SiLU (csrc/backend/cpu/cpu_vmath.c, issue 23).
 
 The attention softmax runs marcache's own expf (IEEE operations only: the same bits on
 every instruction set and C library) with lane sums in a fixed order; the MLP's exact-erf
 GELU is built on it the same way. These tests hold the expf to the float64 exp (within 2
 ulp over the whole float range, exact at the special values), the GELU to the float64
 GELU (within 6 ulp wherever the result is a normal float, the negative tail included),
-every instruction set to the plain form bit for bit, and the softmax row to a NumPy
-emulation of its documented order bit for bit and to the float64 softmax."""
+the head's SiLU (x / (1 + e^-x) on the same expf) within 3 ulp, every instruction set to
+the plain form bit for bit, and the softmax row to a NumPy emulation of its documented
+order bit for bit and to the float64 softmax."""
 import math
 
 import numpy as np
@@ -156,6 +157,46 @@ def test_gelu_special_values():
         assert got[6] == 0.0 and np.signbit(got[6]), isa  # -100 Phi(-100) rounds to -0
         assert got[7] == np.float32(5e-41), isa  # x / 2 for a subnormal x
         assert got[9] == 0.0, isa
+
+
+def silu_sweep():
+    """Every 997th float32 bit pattern in (-100, 100) (2.3 M) and the specials."""
+    pos = np.arange(0, np.array(100.0, F32).view(np.uint32), 997, dtype=np.uint32)
+    return np.concatenate([pos, pos | np.uint32(0x80000000)]).view(F32)
+
+
+def test_silu_is_within_three_ulp_of_the_float64_silu():
+    x = silu_sweep()
+    got = _C._cpu_silu(x, "plain")
+    xd = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = xd / (1.0 + np.exp(-xd))
+    # x / (1 + e^-x) in float32: e^-x overflows below x = -88.72, giving -0 where the
+    # exact value is still a normal float down to about -91.5 (the formula's own limit, and
+    # PyTorch's); above it the quotient holds the float64 value to 2.23 ulp (measured)
+    ok = (np.abs(want) >= np.finfo(F32).tiny) & (x > -88.0)
+    ulp = np.spacing(np.abs(want[ok]).astype(F32)).astype(np.float64)
+    err = np.abs(got[ok].astype(np.float64) - want[ok]) / ulp
+    assert err.max() <= 3.0, (err.max(), x[ok][np.argmax(err)])
+    assert np.all(got[x < -88.8] == 0.0) and np.all(np.signbit(got[x < -88.8]))
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "plain"])
+def test_silu_isas_agree_bit_for_bit(isa):
+    x = silu_sweep()
+    want = _C._cpu_silu(x, "plain")
+    for n in (len(x), 1, 7, 8, 15, 17, 33):
+        got = _C._cpu_silu(x[:n], isa)
+        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+
+
+def test_silu_special_values():
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40], F32)
+    for isa in ISAS:
+        got = _C._cpu_silu(x, isa)
+        assert np.isnan(got[0]) and np.isnan(got[2]), isa  # -inf / inf, as in x * sigmoid(x)
+        assert got[1] == np.inf and got[3] == 0.0 and np.signbit(got[4]), isa
+        assert got[5] == np.float32(5e-41), isa
 
 
 def test_hooks_reject_bad_arguments():

@@ -1,7 +1,7 @@
 /* Build facts and backend probes of marcache._C: build_info(),
  * sgemm_seconds() (the machine's measured GEMM rate for the benchmarks),
  * and the test hooks _guard_probe(), _cuda_pool_probe(), _nomem_message(),
- * _cpu_expf(), _cpu_gelu() and _cpu_softmax(). */
+ * _cpu_expf(), _cpu_gelu(), _cpu_silu() and _cpu_softmax(). */
 #include "py_numpy.h"
 
 #include <time.h>
@@ -371,14 +371,14 @@ static PyObject *nomem_message(PyObject *self, PyObject *args, PyObject *kwargs)
     return Py_BuildValue("(is)", (int)(st == MC_ERR_NOMEM && err.status == MC_ERR_NOMEM), err.msg);
 }
 
-/* _cpu_expf(x, isa), _cpu_gelu(x, isa) and _cpu_softmax(x, isa):
+/* _cpu_expf(x, isa), _cpu_gelu(x, isa), _cpu_silu(x, isa) and _cpu_softmax(x, isa):
  * cpu_vmath.c's functions with one instruction set's code (tests only: the
  * forms must agree bit for bit and stay near the float64 functions). x: a
  * float32 array, 1-D, or 2-D for softmax (each row softmaxed). */
-typedef enum vmath_fn { VMATH_EXPF, VMATH_GELU, VMATH_SOFTMAX } vmath_fn;
+typedef enum vmath_fn { VMATH_EXPF, VMATH_GELU, VMATH_SILU, VMATH_SOFTMAX } vmath_fn;
 
 static PyObject *cpu_vmath(PyObject *args, vmath_fn which) {
-    static const char *const names[] = {"_cpu_expf", "_cpu_gelu", "_cpu_softmax"};
+    static const char *const names[] = {"_cpu_expf", "_cpu_gelu", "_cpu_silu", "_cpu_softmax"};
     const char *fn = names[which];
     PyObject *obj;
     const char *isa_name;
@@ -409,6 +409,9 @@ static PyObject *cpu_vmath(PyObject *args, vmath_fn which) {
     case VMATH_GELU:
         mc_cpu_gelu_erf_array(isa, src, dst, n);
         break;
+    case VMATH_SILU:
+        mc_cpu_silu_array(isa, src, dst, n);
+        break;
     case VMATH_SOFTMAX: {
         const int64_t rows = (int64_t)PyArray_DIM(x, 0), cols = (int64_t)PyArray_DIM(x, 1);
         memcpy(dst, src, (size_t)n * sizeof(float));
@@ -430,6 +433,11 @@ static PyObject *cpu_gelu(PyObject *self, PyObject *args) {
     return cpu_vmath(args, VMATH_GELU);
 }
 
+static PyObject *cpu_silu(PyObject *self, PyObject *args) {
+    (void)self;
+    return cpu_vmath(args, VMATH_SILU);
+}
+
 static PyObject *cpu_softmax(PyObject *self, PyObject *args) {
     (void)self;
     return cpu_vmath(args, VMATH_SOFTMAX);
@@ -447,6 +455,8 @@ static PyMethodDef build_methods[] = {
      "_cpu_expf(x, isa) -> the CPU backend's expf of a 1-D float32 array with isa's code (tests only)"},
     {"_cpu_gelu", cpu_gelu, METH_VARARGS,
      "_cpu_gelu(x, isa) -> the CPU backend's exact-erf GELU of a 1-D float32 array with isa's code (tests only)"},
+    {"_cpu_silu", cpu_silu, METH_VARARGS,
+     "_cpu_silu(x, isa) -> the CPU backend's SiLU of a 1-D float32 array with isa's code (tests only)"},
     {"_cpu_softmax", cpu_softmax, METH_VARARGS,
      "_cpu_softmax(x, isa) -> the CPU backend's softmax of each row of a 2-D float32 array (tests only)"},
 

@@ -13,8 +13,6 @@
  * more than the work. */
 #define MC_PARALLEL_MIN_ELEMS 32768
 
-float mc_silu(float x) { return x / (1.0f + expf(-x)); }
-
 /* The tanh approximation in float32, the operation order of PyTorch's
  * gelu(approximate='tanh'): inner = sqrt(2/pi) * (x + 0.044715 * x^3). */
 float mc_gelu_tanh(float x) {
@@ -45,8 +43,7 @@ static void apply_act_rows(mc_backend *be, mc_act act, float *y, int64_t ldy, in
             for (int64_t i = 0; i < dim; i++)
                 row[i] = mc_gelu_tanh(row[i]);
         else
-            for (int64_t i = 0; i < dim; i++)
-                row[i] = mc_silu(row[i]);
+            mc_cpu_silu_array(isa, row, row, dim); /* the bits of mc_silu */
     }
 }
 
@@ -109,10 +106,10 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
             mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, ldxp, packed);
             xp = packed;
         }
-        /* GELU runs after the kernel, in vectors: the kernel's epilogue would
-         * give the same bits (mc_gelu_erf) one element at a time (18x the
-         * AVX-512 form's time). */
-        const mc_act kernel_act = act == MC_ACT_GELU ? MC_ACT_NONE : act;
+        /* GELU and SiLU run after the kernel, in vectors: the kernel's
+         * epilogue would give the same bits (mc_gelu_erf, mc_silu) one element
+         * at a time (GELU: 18x the AVX-512 form's time). */
+        const mc_act kernel_act = act == MC_ACT_GELU || act == MC_ACT_SILU ? MC_ACT_NONE : act;
         const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .ldxp = ldxp, .rows = rows, .in = in,
                                      .out = out, .w = w, .bias = bias, .act = kernel_act, .beta = beta, .y = y,
                                      .ldy = ldy};

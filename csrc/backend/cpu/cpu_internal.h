@@ -68,8 +68,8 @@ static inline int64_t mc_cpu_chunk_rows(int64_t chunk, int64_t rows_per_chunk, i
     return row0;
 }
 
-/* Elementwise kernels shared by several ops (mc_gelu_erf: cpu_vmath.c, with
- * its vector forms). */
+/* Elementwise kernels shared by several ops (mc_gelu_erf, mc_silu:
+ * cpu_vmath.c, with their vector forms). */
 float mc_gelu_erf(float x);
 float mc_silu(float x);
 float mc_gelu_tanh(float x);
@@ -103,7 +103,7 @@ int mc_cpu_isa_from_name(const char *name, mc_cpu_isa *isa);
 mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err);
 mc_cpu_isa mc_cpu_isa_of(mc_backend *be);
 
-/* ---- Vector math: expf, softmax rows, GELU (cpu_vmath.c; issue 23). ---- */
+/* ---- Vector math: expf, softmax rows, GELU, SiLU (cpu_vmath.c; issue 23). ---- */
 /* e^x from IEEE operations only: the same bits on every ISA and C library,
  * within 2 ulp of the exact value. */
 float mc_expf(float x);
@@ -111,6 +111,8 @@ float mc_expf(float x);
 void mc_cpu_expf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n);
 /* y[i] = mc_gelu_erf(x[i]) with isa's vectors (the same bits); y may be x. */
 void mc_cpu_gelu_erf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n);
+/* y[i] = mc_silu(x[i]) with isa's vectors (the same bits); y may be x. */
+void mc_cpu_silu_array(mc_cpu_isa isa, const float *x, float *y, int64_t n);
 /* Each of `rows` rows of `cols` (stride ld) replaced by its softmax, in
  * place, in one order for every isa. */
 void mc_cpu_softmax_rows(mc_cpu_isa isa, float *s, int64_t rows, int64_t cols, int64_t ld);
