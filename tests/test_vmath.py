@@ -31,6 +31,13 @@ def sweep():
     return np.concatenate([neg, pos, edges])
 
 
+def assert_isa_matches_plain(fn, x, want, isa):
+    """fn(x[:n], isa) equals the plain form's bits for whole vectors and every tail."""
+    for n in (len(x), 1, 7, 8, 15, 17, 33):
+        got = fn(x[:n], isa)
+        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+
+
 @pytest.fixture(scope="module")
 def points():
     x = sweep()
@@ -63,9 +70,7 @@ def test_expf_special_values():
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "plain"])
 def test_expf_isas_agree_bit_for_bit(points, isa):
     x, want = points
-    for n in (len(x), 1, 7, 8, 15, 17, 33):  # whole vectors and the tails
-        got = _C._cpu_expf(x[:n], isa)
-        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+    assert_isa_matches_plain(_C._cpu_expf, x, want, isa)
 
 
 def emulate_softmax(x):
@@ -142,9 +147,7 @@ def test_gelu_is_within_six_ulp_of_the_float64_gelu(gelu_points):
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "plain"])
 def test_gelu_isas_agree_bit_for_bit(gelu_points, isa):
     x, want = gelu_points
-    for n in (len(x), 1, 7, 8, 15, 17, 33):  # whole vectors and the tails
-        got = _C._cpu_gelu(x[:n], isa)
-        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+    assert_isa_matches_plain(_C._cpu_gelu, x, want, isa)
 
 
 def test_gelu_special_values():
@@ -184,10 +187,7 @@ def test_silu_is_within_three_ulp_of_the_float64_silu():
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "plain"])
 def test_silu_isas_agree_bit_for_bit(isa):
     x = silu_sweep()
-    want = _C._cpu_silu(x, "plain")
-    for n in (len(x), 1, 7, 8, 15, 17, 33):
-        got = _C._cpu_silu(x[:n], isa)
-        np.testing.assert_array_equal(got.view(np.uint32), want[:n].view(np.uint32), err_msg=f"{isa}, n={n}")
+    assert_isa_matches_plain(_C._cpu_silu, x, _C._cpu_silu(x, "plain"), isa)
 
 
 def test_silu_special_values():

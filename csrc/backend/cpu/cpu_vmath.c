@@ -390,53 +390,22 @@ static void scale_avx2(float *row, int64_t n, float inv) {
 #pragma GCC pop_options
 #endif /* MC_VMATH_X86 */
 
-void mc_cpu_expf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n) {
+/* isa's form of the elementwise function `name` (name_avx512, name_avx2 or
+ * name_plain: the same bits). */
 #if MC_VMATH_X86
-    if (isa == MC_CPU_ISA_AVX512) {
-        expf_avx512(x, y, n);
-        return;
-    }
-    if (isa == MC_CPU_ISA_AVX2) {
-        expf_avx2(x, y, n);
-        return;
-    }
+#define VMATH_PICK(isa, name)                                                                               \
+    ((isa) == MC_CPU_ISA_AVX512 ? name##_avx512 : (isa) == MC_CPU_ISA_AVX2 ? name##_avx2 : name##_plain)
 #else
-    (void)isa;
+#define VMATH_PICK(isa, name) ((void)(isa), name##_plain)
 #endif
-    expf_plain(x, y, n);
-}
+
+void mc_cpu_expf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n) { VMATH_PICK(isa, expf)(x, y, n); }
 
 void mc_cpu_gelu_erf_array(mc_cpu_isa isa, const float *x, float *y, int64_t n) {
-#if MC_VMATH_X86
-    if (isa == MC_CPU_ISA_AVX512) {
-        gelu_avx512(x, y, n);
-        return;
-    }
-    if (isa == MC_CPU_ISA_AVX2) {
-        gelu_avx2(x, y, n);
-        return;
-    }
-#else
-    (void)isa;
-#endif
-    gelu_plain(x, y, n);
+    VMATH_PICK(isa, gelu)(x, y, n);
 }
 
-void mc_cpu_silu_array(mc_cpu_isa isa, const float *x, float *y, int64_t n) {
-#if MC_VMATH_X86
-    if (isa == MC_CPU_ISA_AVX512) {
-        silu_avx512(x, y, n);
-        return;
-    }
-    if (isa == MC_CPU_ISA_AVX2) {
-        silu_avx2(x, y, n);
-        return;
-    }
-#else
-    (void)isa;
-#endif
-    silu_plain(x, y, n);
-}
+void mc_cpu_silu_array(mc_cpu_isa isa, const float *x, float *y, int64_t n) { VMATH_PICK(isa, silu)(x, y, n); }
 
 void mc_cpu_softmax_rows(mc_cpu_isa isa, float *s, int64_t rows, int64_t cols, int64_t ld) {
     float (*exp_sum)(float *row, int64_t n, float max) = exp_sum_plain;
