@@ -119,11 +119,6 @@ float mc_expf(float x) {
     return (y * pow2i(n1)) * pow2i(n2);
 }
 
-static void expf_plain(const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        y[i] = mc_expf(x[i]);
-}
-
 /* The comparisons below are written as the vector min/max/blend compute
  * them, so a NaN x takes the same path in every form. */
 float mc_gelu_erf(float x) {
@@ -163,15 +158,16 @@ float mc_gelu_erf(float x) {
  * expf's ulp, the add's and the divide's), the same bits on every ISA. */
 float mc_silu(float x) { return x / (1.0f + mc_expf(-x)); }
 
-static void silu_plain(const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        y[i] = mc_silu(x[i]);
-}
-
-static void gelu_plain(const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        y[i] = mc_gelu_erf(x[i]);
-}
+/* name_plain(x, y, n): y[i] = scalar(x[i]), the reference form of the
+ * arrays below. */
+#define VMATH_PLAIN(name, scalar)                                                                           \
+    static void name##_plain(const float *x, float *y, int64_t n) {                                         \
+        for (int64_t i = 0; i < n; i++)                                                                     \
+            y[i] = scalar(x[i]);                                                                            \
+    }
+VMATH_PLAIN(expf, mc_expf)
+VMATH_PLAIN(gelu, mc_gelu_erf)
+VMATH_PLAIN(silu, mc_silu)
 
 /* e = exp(row - max) in place; returns the sum in the documented order. */
 static float exp_sum_plain(float *row, int64_t n, float max) {
@@ -280,17 +276,9 @@ EXP_VECTOR(avx512, _mm512, __m512, __m512i, AVX512_ROUND, _mm512_castsi512_ps, A
 #define AVX512_SELECT(m, a, b) _mm512_mask_blend_ps((m), (b), (a))
 GELU_VECTOR(avx512, _mm512, __m512, _mm512_abs_ps, AVX512_LT, AVX512_GT, AVX512_SELECT)
 SILU_VECTOR(avx512, _mm512, __m512)
+VMATH_ARRAY(expf, mc_expf, avx512, 16, _mm512_loadu_ps, _mm512_storeu_ps)
 VMATH_ARRAY(gelu, mc_gelu_erf, avx512, 16, _mm512_loadu_ps, _mm512_storeu_ps)
 VMATH_ARRAY(silu, mc_silu, avx512, 16, _mm512_loadu_ps, _mm512_storeu_ps)
-static void expf_avx512(const float *x, float *y, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, avx512_expf(_mm512_loadu_ps(x + i)));
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        _mm512_mask_storeu_ps(y + i, m, avx512_expf(_mm512_maskz_loadu_ps(m, x + i)));
-    }
-}
 
 /* Lane l of acc holds the columns j % 16 == l: one vector is the 16 lanes. */
 static float exp_sum_avx512(float *row, int64_t n, float max) {
@@ -339,15 +327,9 @@ EXP_VECTOR(avx2, _mm256, __m256, __m256i, AVX2_ROUND, _mm256_castsi256_ps, AVX2_
 #define AVX2_ABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
 GELU_VECTOR(avx2, _mm256, __m256, AVX2_ABS, AVX2_LT, AVX2_GT, AVX2_SELECT)
 SILU_VECTOR(avx2, _mm256, __m256)
+VMATH_ARRAY(expf, mc_expf, avx2, 8, _mm256_loadu_ps, _mm256_storeu_ps)
 VMATH_ARRAY(gelu, mc_gelu_erf, avx2, 8, _mm256_loadu_ps, _mm256_storeu_ps)
 VMATH_ARRAY(silu, mc_silu, avx2, 8, _mm256_loadu_ps, _mm256_storeu_ps)
-static void expf_avx2(const float *x, float *y, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, avx2_expf(_mm256_loadu_ps(x + i)));
-    for (; i < n; i++)
-        y[i] = mc_expf(x[i]);
-}
 
 /* The 16 lanes as two vectors (columns 16k + 0..7 and 16k + 8..15); a
  * row's last partial block of 16 goes through the plain lanes. */
