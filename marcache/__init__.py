@@ -62,7 +62,9 @@ def build_info():
     instruction set of the CPU backend's small-row linear kernels (avx512, avx2 or plain:
     the best this CPU has, or MARCACHE_CPU_ISA), ``cpu_isa_supported`` the sets this CPU
     runs, ``smallrow_max`` the most rows a linear sends to them (MARCACHE_SMALLROW_MAX;
-    0: off)."""
+    0: off); ``huge_pages``: 1 when the CPU backend asks for transparent huge pages for
+    buffers of 2 MiB or more (MARCACHE_HUGE_PAGES, default 1; 0: off). The last three read
+    the environment now, as a backend made now would; -1 where it holds a bad value."""
     return dict(_C.build_info())
 
 

@@ -138,11 +138,15 @@ def rss_files(tmp_path_factory):
     return {"mar": mar_path, "vae": vae_path}
 
 
-@pytest.mark.parametrize("kind,dtype", [("mar", "fp32"), ("mar", "bf16"), ("vae", "fp32")])
-def test_load_peak_rss_stays_near_the_weights(rss_files, kind, dtype):
+# MARCACHE_HUGE_PAGES=1 (the default) puts buffers of 2 MiB or more on 2 MiB boundaries and
+# asks for transparent huge pages; only whole 2 MiB ranges get them, so it must not cost
+# memory: the same bound holds with it on and off.
+@pytest.mark.parametrize("kind,dtype,huge", [("mar", "fp32", "1"), ("mar", "fp32", "0"), ("mar", "bf16", "1"),
+                                             ("vae", "fp32", "1")])
+def test_load_peak_rss_stays_near_the_weights(rss_files, kind, dtype, huge):
     # The child imports the marcache this process tests (conftest's sys.path: the in-place
     # build, or the installed package when the source tree has no build, as in CI).
-    env = child_env(OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1", MARCACHE_HUGE_PAGES=huge)
     probe = os.path.join(TESTS_DIR, "load_probe.py")
     done = subprocess.run([sys.executable, probe, kind, rss_files[kind], dtype, "--reset-peak"],
                           capture_output=True, text=True, env=env, cwd=TESTS_DIR, timeout=300)
@@ -157,3 +161,23 @@ def test_load_peak_rss_stays_near_the_weights(rss_files, kind, dtype):
     assert growth_mib <= bound_mib, (
         f"{kind} {dtype}: loading raised the peak RSS by {growth_mib:.0f} MiB for {weights_mib:.0f} MiB of "
         f"weights (bound {bound_mib:.0f} MiB)")
+
+
+def test_huge_pages_change_where_weights_live_not_the_numbers(rss_files, monkeypatch):
+    """The same tokens, bit for bit, with the CPU backend's huge-page buffers on and off
+    (the model's 512-wide Linears are 1-4 MiB: some of them take the aligned path), and
+    build_info reports the setting a backend made now would use."""
+    tokens = {}
+    for huge in ("0", "1"):
+        monkeypatch.setenv("MARCACHE_HUGE_PAGES", huge)
+        assert mc.build_info()["huge_pages"] == int(huge)
+        model = mc.load(rss_files["mar"], threads=2, diffusion_steps=4)
+        tokens[huge] = np.asarray(model.generate_tokens(labels=[1, 2], steps=2, cfg=2.0, seed=5))
+        del model
+    assert np.isfinite(tokens["1"]).all() and np.abs(tokens["1"]).max() > 0
+    np.testing.assert_array_equal(tokens["1"], tokens["0"])
+    monkeypatch.setenv("MARCACHE_HUGE_PAGES", "on")
+    assert mc.build_info()["huge_pages"] == -1
+    assert mc.build_info()["cpu_isa"].startswith("invalid: MARCACHE_HUGE_PAGES='on': expected 0 or 1")
+    with pytest.raises(ValueError, match="MARCACHE_HUGE_PAGES='on': expected 0 or 1"):
+        mc.load(rss_files["mar"])

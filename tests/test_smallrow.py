@@ -305,6 +305,7 @@ def test_the_guard_backend_runs_the_same_kernel():
     ("MARCACHE_SMALLROW_MAX", "-1", "MARCACHE_SMALLROW_MAX='-1'"),
     ("MARCACHE_SMALLROW_MAX", "4097", "MARCACHE_SMALLROW_MAX='4097'"),
     ("MARCACHE_SMALLROW_MAX", "8 ", "MARCACHE_SMALLROW_MAX='8 '"),
+    ("MARCACHE_HUGE_PAGES", "yes", "MARCACHE_HUGE_PAGES='yes': expected 0 or 1"),
 ])
 def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragment):
     x, w, _, _ = make_inputs(0, 2, 3, 4)
@@ -312,7 +313,7 @@ def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragm
         with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
             _C.run_op("cpu", "linear", (x, w), {})
         assert _C.build_info()["cpu_isa"].startswith("invalid: " + name)
-        assert _C.build_info()["smallrow_max"] == -1
+        assert _C.build_info()["smallrow_max"] == -1 and _C.build_info()["huge_pages"] == -1
 
 
 def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():

@@ -98,14 +98,14 @@ static int add_cuda_info(PyObject *info) {
  * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment). */
 static int add_cpu_isa_info(PyObject *info) {
     mc_err err = {0};
-    mc_cpu_isa isa;
-    int smallrow_max;
+    mc_cpu_config cfg;
     PyObject *isa_s;
-    if (mc_cpu_config_from_env(&isa, &smallrow_max, &err) == MC_OK) {
-        isa_s = PyUnicode_FromString(mc_cpu_isa_name(isa));
+    if (mc_cpu_config_from_env(&cfg, &err) == MC_OK) {
+        isa_s = PyUnicode_FromString(mc_cpu_isa_name(cfg.isa));
     } else {
         isa_s = PyUnicode_FromFormat("invalid: %s", err.msg);
-        smallrow_max = -1;
+        cfg.smallrow_max = -1;
+        cfg.huge_pages = -1;
     }
     PyObject *supported = PyList_New(0);
     static const mc_cpu_isa all[] = {MC_CPU_ISA_AVX512, MC_CPU_ISA_AVX2, MC_CPU_ISA_PLAIN};
@@ -122,8 +122,8 @@ static int add_cpu_isa_info(PyObject *info) {
         Py_XDECREF(supported);
         return -1;
     }
-    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i}", "cpu_isa", isa_s, "cpu_isa_supported", supported,
-                                      "smallrow_max", smallrow_max);
+    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i}", "cpu_isa", isa_s, "cpu_isa_supported", supported,
+                                      "smallrow_max", cfg.smallrow_max, "huge_pages", cfg.huge_pages);
     if (entries == NULL)
         return -1;
     int rc = PyDict_Update(info, entries);

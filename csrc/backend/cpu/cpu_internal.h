@@ -98,9 +98,16 @@ mc_cpu_isa mc_cpu_isa_best(void);
 /* *isa = the ISA named by mc_cpu_isa_name's `name`; 0 (isa untouched) for
  * any other name. */
 int mc_cpu_isa_from_name(const char *name, mc_cpu_isa *isa);
-/* The ISA and threshold a CPU backend made now uses (the environment read,
+/* What a CPU backend reads from the environment when it is made, so a
+ * model's kernels and memory never change under it. */
+typedef struct mc_cpu_config {
+    mc_cpu_isa isa;   /* MARCACHE_CPU_ISA: the small-row kernels' instruction set */
+    int smallrow_max; /* MARCACHE_SMALLROW_MAX: linear's small-row threshold */
+    int huge_pages;   /* MARCACHE_HUGE_PAGES: buffers of 2 MiB or more asked for huge pages */
+} mc_cpu_config;
+/* The configuration a CPU backend made now uses (the environment read,
  * checked: a bad value is MC_ERR_VALUE naming the variable). */
-mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err);
+mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err);
 mc_cpu_isa mc_cpu_isa_of(mc_backend *be);
 
 /* ---- Vector math: expf, softmax rows, GELU, SiLU (cpu_vmath.c; issue 23). ---- */

@@ -97,21 +97,21 @@ mc_cpu_isa mc_cpu_isa_best(void) {
     return mc_cpu_isa_supported(MC_CPU_ISA_AVX2) ? MC_CPU_ISA_AVX2 : MC_CPU_ISA_PLAIN;
 }
 
-mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err) {
+mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
     const char *name = getenv("MARCACHE_CPU_ISA");
-    *isa = mc_cpu_isa_best();
+    cfg->isa = mc_cpu_isa_best();
     if (name != NULL && *name != '\0' && strcmp(name, "auto") != 0) {
-        if (!mc_cpu_isa_from_name(name, isa))
+        if (!mc_cpu_isa_from_name(name, &cfg->isa))
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_CPU_ISA='%.64s': expected auto, avx512, avx2 or plain",
                            name);
-        if (!mc_cpu_isa_supported(*isa))
+        if (!mc_cpu_isa_supported(cfg->isa))
             return mc_fail(err, MC_ERR_VALUE,
                            "MARCACHE_CPU_ISA=%s: this CPU does not support it (the best it supports is %s)",
                            name, mc_cpu_isa_name(mc_cpu_isa_best()));
     }
     /* Where no vector kernel runs, the plain loop is a reference, not a
      * faster path: OpenBLAS keeps every linear unless a threshold is asked for. */
-    *smallrow_max = mc_cpu_isa_best() == MC_CPU_ISA_PLAIN ? 0 : MC_SMALLROW_MAX_DEFAULT;
+    cfg->smallrow_max = mc_cpu_isa_best() == MC_CPU_ISA_PLAIN ? 0 : MC_SMALLROW_MAX_DEFAULT;
     const char *max_text = getenv("MARCACHE_SMALLROW_MAX");
     if (max_text != NULL && *max_text != '\0') {
         char *end = NULL;
@@ -119,7 +119,14 @@ mc_status mc_cpu_config_from_env(mc_cpu_isa *isa, int *smallrow_max, mc_err *err
         if (end == max_text || *end != '\0' || v < 0 || v > MC_SMALLROW_MAX_LIMIT)
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_SMALLROW_MAX='%.64s': expected an integer in [0, %d]",
                            max_text, MC_SMALLROW_MAX_LIMIT);
-        *smallrow_max = (int)v;
+        cfg->smallrow_max = (int)v;
+    }
+    cfg->huge_pages = 1;
+    const char *huge = getenv("MARCACHE_HUGE_PAGES");
+    if (huge != NULL && *huge != '\0') {
+        if (strcmp(huge, "0") != 0 && strcmp(huge, "1") != 0)
+            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_HUGE_PAGES='%.64s': expected 0 or 1", huge);
+        cfg->huge_pages = huge[0] == '1';
     }
     return MC_OK;
 }
