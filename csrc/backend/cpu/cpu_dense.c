@@ -106,16 +106,10 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
             mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, ldxp, packed);
             xp = packed;
         }
-        /* GELU and SiLU run after the kernel, in vectors: the kernel's
-         * epilogue would give the same bits (mc_gelu_erf, mc_silu) one element
-         * at a time (GELU: 18x the AVX-512 form's time). */
-        const mc_act kernel_act = act == MC_ACT_GELU || act == MC_ACT_SILU ? MC_ACT_NONE : act;
         const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .ldxp = ldxp, .rows = rows, .in = in,
-                                     .out = out, .w = w, .bias = bias, .act = kernel_act, .beta = beta, .y = y,
+                                     .out = out, .w = w, .bias = bias, .act = act, .beta = beta, .y = y,
                                      .ldy = ldy};
         mc_cpu_smallrow_run(mc_cpu_isa_of(be), mc_cpu_threads(be), &job);
-        if (kernel_act != act)
-            apply_act_rows(be, act, y, ldy, rows, out);
         return MC_OK;
     }
     const float *xg = x, *wg = w;

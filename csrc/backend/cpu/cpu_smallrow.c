@@ -152,8 +152,11 @@ void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0,
                 v += j->bias[o0 + o];
             switch (j->act) {
             case MC_ACT_NONE: break;
-            case MC_ACT_GELU: v = mc_gelu_erf(v); break;
-            case MC_ACT_SILU: v = mc_silu(v); break;
+            /* mc_cpu_smallrow_run applies these to the thread's slice after
+             * its kernel, in vectors (the same bits: mc_gelu_erf, mc_silu);
+             * the kernels see them as MC_ACT_NONE. */
+            case MC_ACT_GELU:
+            case MC_ACT_SILU: break;
             case MC_ACT_GELU_TANH: v = mc_gelu_tanh(v); break;
             }
             /* beta == 0 never reads y (it may hold garbage or NaN). */
@@ -363,6 +366,27 @@ void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t ro
     }
 }
 
+/* Outputs [begin, end) of every row: the kernel, then GELU or SiLU over the
+ * slice it just wrote (still in L1/L2), in the ISA's vectors: the store's
+ * scalar epilogue would give the same bits one element at a time (GELU: 18x
+ * the AVX-512 form's time). */
+static void run_slice(smallrow_kernel kernel, mc_cpu_isa isa, const mc_smallrow_job *j, int64_t begin, int64_t end) {
+    const int vector_act = j->act == MC_ACT_GELU || j->act == MC_ACT_SILU;
+    mc_smallrow_job k = *j;
+    if (vector_act)
+        k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
+    kernel(&k, begin, end);
+    if (!vector_act)
+        return;
+    for (int64_t r = 0; r < j->rows; r++) {
+        float *yr = j->y + r * j->ldy + begin;
+        if (j->act == MC_ACT_GELU)
+            mc_cpu_gelu_erf_array(isa, yr, yr, end - begin);
+        else
+            mc_cpu_silu_array(isa, yr, yr, end - begin);
+    }
+}
+
 void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j) {
     if (j->rows == 0 || j->out == 0)
         return;
@@ -370,7 +394,7 @@ void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j) 
     if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_SMALLROW_PARALLEL_MIN_MACS)
         threads = 1;
     if (threads <= 1) {
-        kernel(j, 0, j->out);
+        run_slice(kernel, isa, j, 0, j->out);
         return;
     }
     /* One parallel region per call; each thread's outputs are one
@@ -382,6 +406,6 @@ void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j) 
         per = (per + MC_SMALLROW_SLICE_ALIGN - 1) / MC_SMALLROW_SLICE_ALIGN * MC_SMALLROW_SLICE_ALIGN;
         const int64_t begin = (int64_t)t * per, end = begin + per < j->out ? begin + per : j->out;
         if (begin < end)
-            kernel(j, begin, end);
+            run_slice(kernel, isa, j, begin, end);
     }
 }
