@@ -175,13 +175,14 @@ def test_computes_the_documented_order_bit_for_bit(isa, wtype, case):
     np.testing.assert_array_equal(got, emulate_order(x, w, b, y, beta, wtype))
 
 
-@pytest.mark.parametrize("rows", range(1, 10))
+@pytest.mark.parametrize("rows", range(1, 18))
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("isa", ISAS)
 def test_narrow_path_row_counts_compute_the_documented_order(isa, wtype, rows):
-    """Up to 8 rows the AVX-512 kernel takes its narrow path (one register block of all
-    rows x 31 // (rows + 1) outputs, at most 8, over the whole input; 9 rows is the
-    blocked path): every row count, an input ending in a partial chunk and one of
+    """Up to 16 rows the AVX-512 kernel takes its narrow path (a register block of up to
+    8 rows x 31 // (rows + 1) outputs, at most 8, over the whole input; 9 to 16 rows run
+    each tile in two halves, the second reading the tile's weights from cache; 17 rows
+    is the blocked path): every row count, an input ending in a partial chunk and one of
     several whole chunks, outputs that no tile width divides, split over two threads."""
     for inp, out in ((37, 29), (160, 43)):
         x, w, b, y = make_inputs(rows * 101 + inp, rows, inp, out, True, True, strided=True)

@@ -260,10 +260,11 @@ static inline __attribute__((always_inline)) void avx512_reduce_many(const __m51
 }
 
 #define SR_ISA avx512
-/* The narrow path (cpu_smallrow_simd.h) up to 8 rows: R rows x O outputs
- * with R x O accumulators + O weight vectors + 1 x vector in the 32
- * registers, O at most 8 (more concurrent weight streams did not help). */
-#define SR_NARROW_ROWS 8
+/* The narrow path (cpu_smallrow_simd.h) up to 16 rows, in tiles of at most
+ * 8 rows: R rows x O outputs with R x O accumulators + O weight vectors + 1 x
+ * vector in the 32 registers, O at most 8 (more concurrent weight streams
+ * did not help). */
+#define SR_NARROW_ROWS 16
 #define SR_NARROW_OMAX 8
 #define SR_NARROW_O(R) (31 / ((R) + 1) < SR_NARROW_OMAX ? 31 / ((R) + 1) : SR_NARROW_OMAX)
 #define SR_O 5

@@ -21,7 +21,8 @@
  *                     row) into out[0..n), each in the fixed tree of
  *                     mc_smallrow_reduce16 (cpu_smallrow.c)
  * and, for the narrow path (few rows, below), optionally
- *   SR_NARROW_ROWS    its largest row count (at most 8)
+ *   SR_NARROW_ROWS    its largest row count (at most 16; above 8 a call runs
+ *                     each tile in two halves of at most 8 rows)
  *   SR_NARROW_OMAX, SR_NARROW_O(R)
  *                     the outputs per tile for R rows, at most SR_NARROW_OMAX
  * and gets the entry point
@@ -237,9 +238,12 @@ SR_INLINE void SR_FN(sr_group)(const mc_smallrow_job *j, const mc_wtype wt, int6
 }
 
 #ifdef SR_NARROW_ROWS
+/* Rows of one narrow tile: R x O accumulators + O weight vectors + one x
+ * vector fit the 32 registers for R <= 8 (SR_NARROW_O). */
+#define SR_NARROW_TILE_ROWS 8
 /* The narrow path, for calls of at most SR_NARROW_ROWS rows (the head at
- * batch 1: 2 to 14 rows, 8 or fewer in 33 of MAR-B's 64 AR steps). One
- * register block of all R rows x O outputs runs over the whole input, so
+ * batch 1: 2 to 14 rows, 8 or fewer in 33 of MAR-B's 64 AR steps). A tile:
+ * one register block of R rows (at most 8) x O outputs over the whole input, so
  * the accumulators stay in registers from the first input to the last (no
  * save and restore per input block, no second pass over W from L1): each
  * weight vector is loaded once and used by all R rows, each x vector once
@@ -255,25 +259,26 @@ SR_INLINE void SR_FN(sr_group)(const mc_smallrow_job *j, const mc_wtype wt, int6
  * Same order as the blocked path: lane l of (r, o) accumulates its inputs
  * in increasing i with fma, then mc_smallrow_reduce16's tree. */
 SR_INLINE void SR_FN(sr_narrow_tile)(const mc_smallrow_job *j, const mc_wtype wt, const int R, const int O,
-                                     int64_t o0, int no) {
+                                     int64_t r0, int64_t o0, int no, int prefetch) {
     const int64_t in = j->in, esize = (int64_t)mc_wtype_size(wt), chunks = in / 16;
     const char *w[SR_NARROW_OMAX], *next[SR_NARROW_OMAX];
-    const float *x[SR_NARROW_ROWS];
+    const float *x[SR_NARROW_TILE_ROWS];
     for (int o = 0; o < O; o++) {
         w[o] = (const char *)j->w + (o0 + (o < no ? o : 0)) * in * esize; /* past no: row o0 again, discarded */
         const int64_t row = o0 + O + o < j->out ? o0 + O + o : j->out - 1;
         next[o] = (const char *)j->w + row * in * esize;
     }
     for (int r = 0; r < R; r++)
-        x[r] = j->xp + r * j->ldxp;
-    sr_vec a[SR_NARROW_ROWS][SR_NARROW_OMAX][SR_PARTS];
+        x[r] = j->xp + (r0 + r) * j->ldxp;
+    sr_vec a[SR_NARROW_TILE_ROWS][SR_NARROW_OMAX][SR_PARTS];
     for (int r = 0; r < R; r++)
         for (int o = 0; o < O; o++)
             for (int p = 0; p < SR_PARTS; p++)
                 a[r][o][p] = sr_zero();
     for (int64_t c = 0; c < chunks; c++) {
-        for (int o = 0; o < O; o++)
-            _mm_prefetch(next[o] + c * 16 * esize, _MM_HINT_T1);
+        if (prefetch)
+            for (int o = 0; o < O; o++)
+                _mm_prefetch(next[o] + c * 16 * esize, _MM_HINT_T1);
         for (int p = 0; p < SR_PARTS; p++) {
             const int64_t at = c * 16 + p * SR_VW;
             sr_vec wv[SR_NARROW_OMAX];
@@ -304,21 +309,42 @@ SR_INLINE void SR_FN(sr_narrow_tile)(const mc_smallrow_job *j, const mc_wtype wt
                     a[r][o][p] = sr_fma(a[r][o][p], sr_load(tail[o] + p * SR_VW), xv);
             }
     }
-    _Alignas(64) sr_vec acc[SR_NARROW_ROWS * SR_NARROW_OMAX][SR_PARTS];
+    _Alignas(64) sr_vec acc[SR_NARROW_TILE_ROWS * SR_NARROW_OMAX][SR_PARTS];
     for (int r = 0; r < R; r++)
         for (int o = 0; o < O; o++)
             for (int p = 0; p < SR_PARTS; p++)
                 acc[r * O + o][p] = a[r][o][p];
-    float sums[SR_NARROW_ROWS * SR_NARROW_OMAX];
+    float sums[SR_NARROW_TILE_ROWS * SR_NARROW_OMAX];
     sr_reduce_many(&acc[0][0], (int64_t)R * O, sums);
-    mc_smallrow_store(j, 0, R, o0, no, sums, O);
+    mc_smallrow_store(j, r0, R, o0, no, sums, O);
 }
 
 /* Outputs [o_begin, o_end) of all R rows, in tiles of O. */
 SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype wt, const int R, const int O,
                                       int64_t o_begin, int64_t o_end) {
     for (int64_t o0 = o_begin; o0 < o_end; o0 += O)
-        SR_FN(sr_narrow_tile)(j, wt, R, O, o0, o_end - o0 < O ? (int)(o_end - o0) : O);
+        SR_FN(sr_narrow_tile)(j, wt, R, O, 0, o0, o_end - o0 < O ? (int)(o_end - o0) : O, 1);
+}
+
+/* 9 to 16 rows: each tile in two halves of R1 = ceil(R / 2) and R2 =
+ * floor(R / 2) rows with R1's tile width (12 rows: 6 + 6 rows x 4 outputs,
+ * 24 accumulators): the first half streams the tile's weights from memory
+ * over the whole input (prefetching the next tile's), the second reads the
+ * same O x in weights again from L1 / L2, 4 to 20 KiB later. It replaced,
+ * for these rows, the blocked path (5-row blocks over 256-input slices, W
+ * from memory by the first block only; at 12 rows ~30% of the samples
+ * stalled on its W loads): 1.07-1.12x its GFLOP/s at 10-14 rows with
+ * 1024 x 3072 weights in benchmarks/linear_threshold.c's harness, but the
+ * unchanged 8-row case moved by 1.05-1.07x in the same runs, so the split's
+ * own gain is a few percent (benchmarks/results/head-split-2026-11-28.md).
+ * Same order, same bits. */
+SR_INLINE void SR_FN(sr_narrow_split)(const mc_smallrow_job *j, const mc_wtype wt, const int R1, const int R2,
+                                      const int O, int64_t o_begin, int64_t o_end) {
+    for (int64_t o0 = o_begin; o0 < o_end; o0 += O) {
+        const int no = o_end - o0 < O ? (int)(o_end - o0) : O;
+        SR_FN(sr_narrow_tile)(j, wt, R1, O, 0, o0, no, 1);
+        SR_FN(sr_narrow_tile)(j, wt, R2, O, R1, o0, no, 0);
+    }
 }
 
 /* R = rows (1 .. SR_NARROW_ROWS) and its tile width SR_NARROW_O(R) made
@@ -338,7 +364,19 @@ SR_INLINE void SR_FN(sr_narrow)(const mc_smallrow_job *j, const mc_wtype wt, int
         SR_NARROW_CASE(7)
         SR_NARROW_CASE(8)
 #if SR_NARROW_ROWS > 8
-#error "sr_narrow: add the cases for SR_NARROW_ROWS > 8"
+#define SR_SPLIT_CASE(n)                                                                    \
+    case n:                                                                                 \
+        SR_FN(sr_narrow_split)(j, wt, ((n) + 1) / 2, (n) / 2, SR_NARROW_O(((n) + 1) / 2), o_begin, o_end); \
+        break;
+        SR_SPLIT_CASE(9)
+        SR_SPLIT_CASE(10)
+        SR_SPLIT_CASE(11)
+        SR_SPLIT_CASE(12)
+        SR_SPLIT_CASE(13)
+        SR_SPLIT_CASE(14)
+        SR_SPLIT_CASE(15)
+        SR_SPLIT_CASE(16)
+#undef SR_SPLIT_CASE
 #endif
     default: break;
     }
@@ -396,3 +434,4 @@ static void SR_FN(mc_smallrow)(const mc_smallrow_job *j, int64_t o_begin, int64_
 #undef SR_NARROW_ROWS
 #undef SR_NARROW_OMAX
 #undef SR_NARROW_O
+#undef SR_NARROW_TILE_ROWS
