@@ -319,14 +319,8 @@ SR_INLINE void SR_FN(sr_narrow_tile)(const mc_smallrow_job *j, const mc_wtype wt
     mc_smallrow_store(j, r0, R, o0, no, sums, O);
 }
 
-/* Outputs [o_begin, o_end) of all R rows, in tiles of O. */
-SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype wt, const int R, const int O,
-                                      int64_t o_begin, int64_t o_end) {
-    for (int64_t o0 = o_begin; o0 < o_end; o0 += O)
-        SR_FN(sr_narrow_tile)(j, wt, R, O, 0, o0, o_end - o0 < O ? (int)(o_end - o0) : O, 1);
-}
-
-/* 9 to 16 rows: each tile in two halves of R1 = ceil(R / 2) and R2 =
+/* Outputs [o_begin, o_end) of every row, in tiles of O outputs: R1 rows,
+ * and R2 = 0 up to 8 rows. 9 to 16 rows: each tile in two halves of R1 = ceil(R / 2) and R2 =
  * floor(R / 2) rows with R1's tile width (12 rows: 6 + 6 rows x 4 outputs,
  * 24 accumulators): the first half streams the tile's weights from memory
  * over the whole input (prefetching the next tile's), the second reads the
@@ -338,12 +332,13 @@ SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype w
  * unchanged 8-row case moved by 1.05-1.07x in the same runs, so the split's
  * own gain is a few percent (benchmarks/results/head-split-2026-11-28.md).
  * Same order, same bits. */
-SR_INLINE void SR_FN(sr_narrow_split)(const mc_smallrow_job *j, const mc_wtype wt, const int R1, const int R2,
+SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype wt, const int R1, const int R2,
                                       const int O, int64_t o_begin, int64_t o_end) {
     for (int64_t o0 = o_begin; o0 < o_end; o0 += O) {
         const int no = o_end - o0 < O ? (int)(o_end - o0) : O;
         SR_FN(sr_narrow_tile)(j, wt, R1, O, 0, o0, no, 1);
-        SR_FN(sr_narrow_tile)(j, wt, R2, O, R1, o0, no, 0);
+        if (R2 > 0)
+            SR_FN(sr_narrow_tile)(j, wt, R2, O, R1, o0, no, 0);
     }
 }
 
@@ -352,7 +347,7 @@ SR_INLINE void SR_FN(sr_narrow_split)(const mc_smallrow_job *j, const mc_wtype w
 SR_INLINE void SR_FN(sr_narrow)(const mc_smallrow_job *j, const mc_wtype wt, int64_t o_begin, int64_t o_end) {
 #define SR_NARROW_CASE(n)                                                                   \
     case n:                                                                                 \
-        SR_FN(sr_narrow_slice)(j, wt, n, SR_NARROW_O(n), o_begin, o_end);                   \
+        SR_FN(sr_narrow_slice)(j, wt, n, 0, SR_NARROW_O(n), o_begin, o_end);                \
         break;
     switch (j->rows) {
         SR_NARROW_CASE(1)
@@ -366,7 +361,7 @@ SR_INLINE void SR_FN(sr_narrow)(const mc_smallrow_job *j, const mc_wtype wt, int
 #if SR_NARROW_ROWS > 8
 #define SR_SPLIT_CASE(n)                                                                    \
     case n:                                                                                 \
-        SR_FN(sr_narrow_split)(j, wt, ((n) + 1) / 2, (n) / 2, SR_NARROW_O(((n) + 1) / 2), o_begin, o_end); \
+        SR_FN(sr_narrow_slice)(j, wt, ((n) + 1) / 2, (n) / 2, SR_NARROW_O(((n) + 1) / 2), o_begin, o_end); \
         break;
         SR_SPLIT_CASE(9)
         SR_SPLIT_CASE(10)
@@ -377,6 +372,9 @@ SR_INLINE void SR_FN(sr_narrow)(const mc_smallrow_job *j, const mc_wtype wt, int
         SR_SPLIT_CASE(15)
         SR_SPLIT_CASE(16)
 #undef SR_SPLIT_CASE
+#endif
+#if SR_NARROW_ROWS > 16
+#error "sr_narrow: add the cases for SR_NARROW_ROWS > 16"
 #endif
     default: break;
     }
