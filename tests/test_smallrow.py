@@ -43,6 +43,9 @@ SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
 ISAS = tuple(isa for isa in ("plain", "avx2", "avx512") if isa in SUPPORTED)
 WTYPES = ("fp32", "bf16", "fp16")
 BOUND_16BIT = {"bf16": 1e-2, "fp16": 2e-3}  # test_ops.py's bounds of 16-bit operands
+# The AVX-512 kernel's narrow path runs calls of up to this many rows (SR_NARROW_ROWS in
+# cpu_smallrow.c), its blocked path more (with MARCACHE_SMALLROW_MAX above it).
+NARROW_MAX = 256
 
 
 @contextmanager
@@ -175,18 +178,24 @@ def test_computes_the_documented_order_bit_for_bit(isa, wtype, case):
     np.testing.assert_array_equal(got, emulate_order(x, w, b, y, beta, wtype))
 
 
-@pytest.mark.parametrize("rows", range(1, 18))
+# Every row count up to 17, then the plan's other block shapes (6 + 6 + 5 ... 8 x 12) up to
+# the narrow path's last row count and past it (cpu_smallrow.c's SR_NARROW_ROWS).
+NARROW_ROWS = list(range(1, 18)) + [23, 24, 25, 31, 33, 47, 57, NARROW_MAX, NARROW_MAX + 1]
+
+
+@pytest.mark.parametrize("rows", NARROW_ROWS)
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("isa", ISAS)
 def test_narrow_path_row_counts_compute_the_documented_order(isa, wtype, rows):
-    """Up to 16 rows the AVX-512 kernel takes its narrow path (a register block of up to
-    8 rows x 31 // (rows + 1) outputs, at most 8, over the whole input; 9 to 16 rows run
-    each tile in two halves, the second reading the tile's weights from cache; 17 rows
-    is the blocked path): every row count, an input ending in a partial chunk and one of
-    several whole chunks, outputs that no tile width divides, split over two threads."""
+    """Up to NARROW_MAX rows the AVX-512 kernel takes its narrow path: each tile of
+    31 // (R1 + 1) outputs (at most 8) runs as register blocks of R1 <= 8 and R1 - 1 rows
+    over the whole input, the first streaming the tile's weights, the others reading them
+    from cache (12 rows: 6 + 6; 17: 6 + 6 + 5); NARROW_MAX + 1 rows is the blocked path.
+    Every block shape, an input ending in a partial chunk and one of several whole chunks,
+    outputs that no tile width divides, split over two threads."""
     for inp, out in ((37, 29), (160, 43)):
         x, w, b, y = make_inputs(rows * 101 + inp, rows, inp, out, True, True, strided=True)
-        got = run_linear(isa, x, w, b, y, beta=1.0, wtype=wtype, threads=2)
+        got = run_linear(isa, x, w, b, y, beta=1.0, wtype=wtype, threads=2, smallrow_max=4096)
         np.testing.assert_array_equal(got, emulate_order(x, w, b, y, 1.0, wtype), err_msg=f"{inp} x {out}")
 
 

@@ -260,11 +260,14 @@ static inline __attribute__((always_inline)) void avx512_reduce_many(const __m51
 }
 
 #define SR_ISA avx512
-/* The narrow path (cpu_smallrow_simd.h) up to 16 rows, in tiles of at most
- * 8 rows: R rows x O outputs with R x O accumulators + O weight vectors + 1 x
- * vector in the 32 registers, O at most 8 (more concurrent weight streams
- * did not help). */
-#define SR_NARROW_ROWS 16
+/* The narrow path (cpu_smallrow_simd.h) up to 256 rows, in register blocks
+ * of at most 8 rows: R rows x O outputs with R x O accumulators + O weight
+ * vectors + 1 x vector in the 32 registers, O at most 8 (more concurrent
+ * weight streams did not help). Above 256 rows the blocked path: every block
+ * of a tile reads its rows of x, and 256 rows of 1024 inputs already fill
+ * L2; at 128-256 rows it measured 0.95-1.15x the blocked path and about
+ * level with OpenBLAS (narrow-rows-2026-11-28.md). */
+#define SR_NARROW_ROWS 256
 #define SR_NARROW_OMAX 8
 #define SR_NARROW_O(R) (31 / ((R) + 1) < SR_NARROW_OMAX ? 31 / ((R) + 1) : SR_NARROW_OMAX)
 #define SR_O 5

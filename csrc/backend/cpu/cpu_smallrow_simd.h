@@ -21,8 +21,8 @@
  *                     row) into out[0..n), each in the fixed tree of
  *                     mc_smallrow_reduce16 (cpu_smallrow.c)
  * and, for the narrow path (few rows, below), optionally
- *   SR_NARROW_ROWS    its largest row count (at most 16; above 8 a call runs
- *                     each tile in two halves of at most 8 rows)
+ *   SR_NARROW_ROWS    its largest row count (above 8 a call runs each tile as
+ *                     several register blocks of at most 8 rows, sr_narrow_plan)
  *   SR_NARROW_OMAX, SR_NARROW_O(R)
  *                     the outputs per tile for R rows, at most SR_NARROW_OMAX
  * and gets the entry point
@@ -242,7 +242,8 @@ SR_INLINE void SR_FN(sr_group)(const mc_smallrow_job *j, const mc_wtype wt, int6
  * vector fit the 32 registers for R <= 8 (SR_NARROW_O). */
 #define SR_NARROW_TILE_ROWS 8
 /* The narrow path, for calls of at most SR_NARROW_ROWS rows (the head at
- * batch 1: 2 to 14 rows, 8 or fewer in 33 of MAR-B's 64 AR steps). A tile:
+ * batch 1: 2 to 14 rows, 8 or fewer in 33 of MAR-B's 64 AR steps; at batch 8
+ * 16 to 112). A tile:
  * one register block of R rows (at most 8) x O outputs over the whole input, so
  * the accumulators stay in registers from the first input to the last (no
  * save and restore per input block, no second pass over W from L1): each
@@ -319,37 +320,53 @@ SR_INLINE void SR_FN(sr_narrow_tile)(const mc_smallrow_job *j, const mc_wtype wt
     mc_smallrow_store(j, r0, R, o0, no, sums, O);
 }
 
-/* Outputs [o_begin, o_end) of every row, in tiles of O outputs: R1 rows,
- * and R2 = 0 up to 8 rows. 9 to 16 rows: each tile in two halves of R1 = ceil(R / 2) and R2 =
- * floor(R / 2) rows with R1's tile width (12 rows: 6 + 6 rows x 4 outputs,
- * 24 accumulators): the first half streams the tile's weights from memory
- * over the whole input (prefetching the next tile's), the second reads the
- * same O x in weights again from L1 / L2, 4 to 20 KiB later. It replaced,
- * for these rows, the blocked path (5-row blocks over 256-input slices, W
- * from memory by the first block only; at 12 rows ~30% of the samples
- * stalled on its W loads): 1.07-1.12x its GFLOP/s at 10-14 rows with
- * 1024 x 3072 weights in benchmarks/linear_threshold.c's harness, but the
- * unchanged 8-row case moved by 1.05-1.07x in the same runs, so the split's
- * own gain is a few percent (benchmarks/results/head-split-2026-11-28.md).
- * Same order, same bits. */
-SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype wt, const int R1, const int R2,
-                                      const int O, int64_t o_begin, int64_t o_end) {
+/* The register blocks of a narrow call of `rows` (>= 1) rows: as few blocks
+ * of at most SR_NARROW_TILE_ROWS rows as hold them, as even as they go, n1
+ * blocks of R1 rows then n2 of R1 - 1 (12 rows: 6 + 6; 17: 6 + 6 + 5). The
+ * tile width follows R1. */
+SR_INLINE void SR_FN(sr_narrow_plan)(int64_t rows, int *R1, int *n1, int *n2) {
+    const int64_t blocks = (rows + SR_NARROW_TILE_ROWS - 1) / SR_NARROW_TILE_ROWS;
+    const int64_t r1 = (rows + blocks - 1) / blocks;
+    *R1 = (int)r1;
+    *n1 = (int)(rows - blocks * (r1 - 1));
+    *n2 = (int)(blocks - *n1);
+}
+
+/* Outputs [o_begin, o_end) of every row, in tiles of O outputs, each tile
+ * as n1 register blocks of R1 rows then n2 of R1 - 1 (sr_narrow_plan; up to
+ * 8 rows one block). The first block streams the
+ * tile's weights from memory over the whole input (prefetching the next
+ * tile's); the others read the same O x in weights again from L1 / L2, 4 to
+ * 36 KiB later. Above 8 rows this replaced the blocked path (5-row blocks
+ * over 256-input slices, accumulators saved and restored between slices, W
+ * from memory by the first block only): at 12 rows ~30% of its samples
+ * stalled on W's loads, and its 1- and 2-row remainder blocks (32 rows = 6 x
+ * 5 + 2) did 5 to 10 fma per 6 to 7 loads; the measurements are in
+ * benchmarks/results/head-split-2026-11-28.md (9-16 rows) and
+ * narrow-rows-2026-11-28.md (17 rows and up). Same order, same bits. */
+SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype wt, const int R1, const int O,
+                                      int n1, int n2, int64_t o_begin, int64_t o_end) {
     for (int64_t o0 = o_begin; o0 < o_end; o0 += O) {
         const int no = o_end - o0 < O ? (int)(o_end - o0) : O;
-        SR_FN(sr_narrow_tile)(j, wt, R1, O, 0, o0, no, 1);
-        if (R2 > 0)
-            SR_FN(sr_narrow_tile)(j, wt, R2, O, R1, o0, no, 0);
+        SR_FN(sr_narrow_tile)(j, wt, R1, O, 0, o0, no, 1); /* n1 >= 1 */
+        int64_t r0 = R1;
+        for (int b = 1; b < n1; b++, r0 += R1)
+            SR_FN(sr_narrow_tile)(j, wt, R1, O, r0, o0, no, 0);
+        if (R1 > 1) /* R1 - 1 >= 1: the blocks are never empty */
+            for (int b = 0; b < n2; b++, r0 += R1 - 1)
+                SR_FN(sr_narrow_tile)(j, wt, R1 - 1, O, r0, o0, no, 0);
     }
 }
 
-/* R = rows (1 .. SR_NARROW_ROWS) and its tile width SR_NARROW_O(R) made
- * constants. */
+/* The plan's R1 (1 .. 8) and its tile width SR_NARROW_O(R1) made constants. */
 SR_INLINE void SR_FN(sr_narrow)(const mc_smallrow_job *j, const mc_wtype wt, int64_t o_begin, int64_t o_end) {
+    int R1, n1, n2;
+    SR_FN(sr_narrow_plan)(j->rows, &R1, &n1, &n2);
 #define SR_NARROW_CASE(n)                                                                   \
     case n:                                                                                 \
-        SR_FN(sr_narrow_slice)(j, wt, n, 0, SR_NARROW_O(n), o_begin, o_end);                \
+        SR_FN(sr_narrow_slice)(j, wt, n, SR_NARROW_O(n), n1, n2, o_begin, o_end);           \
         break;
-    switch (j->rows) {
+    switch (R1) {
         SR_NARROW_CASE(1)
         SR_NARROW_CASE(2)
         SR_NARROW_CASE(3)
@@ -358,23 +375,8 @@ SR_INLINE void SR_FN(sr_narrow)(const mc_smallrow_job *j, const mc_wtype wt, int
         SR_NARROW_CASE(6)
         SR_NARROW_CASE(7)
         SR_NARROW_CASE(8)
-#if SR_NARROW_ROWS > 8
-#define SR_SPLIT_CASE(n)                                                                    \
-    case n:                                                                                 \
-        SR_FN(sr_narrow_slice)(j, wt, ((n) + 1) / 2, (n) / 2, SR_NARROW_O(((n) + 1) / 2), o_begin, o_end); \
-        break;
-        SR_SPLIT_CASE(9)
-        SR_SPLIT_CASE(10)
-        SR_SPLIT_CASE(11)
-        SR_SPLIT_CASE(12)
-        SR_SPLIT_CASE(13)
-        SR_SPLIT_CASE(14)
-        SR_SPLIT_CASE(15)
-        SR_SPLIT_CASE(16)
-#undef SR_SPLIT_CASE
-#endif
-#if SR_NARROW_ROWS > 16
-#error "sr_narrow: add the cases for SR_NARROW_ROWS > 16"
+#if SR_NARROW_TILE_ROWS != 8
+#error "sr_narrow: the cases above are R1 = 1 .. SR_NARROW_TILE_ROWS"
 #endif
     default: break;
     }
