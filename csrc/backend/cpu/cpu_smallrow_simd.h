@@ -334,10 +334,10 @@ SR_INLINE void SR_FN(sr_narrow_plan)(int64_t rows, int *R1, int *n1, int *n2) {
 
 /* Outputs [o_begin, o_end) of every row, in tiles of O outputs, each tile
  * as n1 register blocks of R1 rows then n2 of R1 - 1 (sr_narrow_plan; up to
- * 8 rows one block). The first block streams the
- * tile's weights from memory over the whole input (prefetching the next
- * tile's); the others read the same O x in weights again from L1 / L2, 4 to
- * 36 KiB later. Above 8 rows this replaced the blocked path (5-row blocks
+ * 8 rows one block). The first block streams the tile's weights from memory
+ * over the whole input (prefetching the next tile's; it is peeled so that
+ * flag is a constant: a run-time one lost 15% at 16 rows on 768 x 2304); the
+ * others read the same O x in weights again from L1 / L2, 4 to 36 KiB later. Above 8 rows this replaced the blocked path (5-row blocks
  * over 256-input slices, accumulators saved and restored between slices, W
  * from memory by the first block only): at 12 rows ~30% of its samples
  * stalled on W's loads, and its 1- and 2-row remainder blocks (32 rows = 6 x
