@@ -178,7 +178,7 @@ def test_computes_the_documented_order_bit_for_bit(isa, wtype, case):
     np.testing.assert_array_equal(got, emulate_order(x, w, b, y, beta, wtype))
 
 
-# Every row count up to 17, then the plan's other block shapes (6 + 6 + 5 ... 8 x 12) up to
+# Every row count up to 17, then the plan's other block shapes (23 = 8 + 8 + 7 ... 57 = 8 + 7 x 7) up to
 # the narrow path's last row count and past it (cpu_smallrow.c's SR_NARROW_ROWS).
 NARROW_ROWS = list(range(1, 18)) + [23, 24, 25, 31, 33, 47, 57, NARROW_MAX, NARROW_MAX + 1]
 

@@ -337,11 +337,12 @@ SR_INLINE void SR_FN(sr_narrow_plan)(int64_t rows, int *R1, int *n1, int *n2) {
  * 8 rows one block). The first block streams the tile's weights from memory
  * over the whole input (prefetching the next tile's; it is peeled so that
  * flag is a constant: a run-time one lost 15% at 16 rows on 768 x 2304); the
- * others read the same O x in weights again from L1 / L2, 4 to 36 KiB later. Above 8 rows this replaced the blocked path (5-row blocks
- * over 256-input slices, accumulators saved and restored between slices, W
- * from memory by the first block only): at 12 rows ~30% of its samples
- * stalled on W's loads, and its 1- and 2-row remainder blocks (32 rows = 6 x
- * 5 + 2) did 5 to 10 fma per 6 to 7 loads; the measurements are in
+ * others read the same O x in weights again from L1 / L2, 4 to 36 KiB
+ * later. Above 8 rows this replaced the blocked path (5-row blocks over
+ * 256-input slices, accumulators saved and restored between slices, W from
+ * memory by the first block only): at 12 rows ~30% of its samples stalled on
+ * W's loads, and its 1- and 2-row remainder blocks (32 rows = 6 x 5 + 2) did
+ * 5 to 10 fma per 6 to 7 loads; the measurements are in
  * benchmarks/results/head-split-2026-11-28.md (9-16 rows) and
  * narrow-rows-2026-11-28.md (17 rows and up). Same order, same bits. */
 SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype wt, const int R1, const int O,
@@ -352,7 +353,7 @@ SR_INLINE void SR_FN(sr_narrow_slice)(const mc_smallrow_job *j, const mc_wtype w
         int64_t r0 = R1;
         for (int b = 1; b < n1; b++, r0 += R1)
             SR_FN(sr_narrow_tile)(j, wt, R1, O, r0, o0, no, 0);
-        if (R1 > 1) /* R1 - 1 >= 1: the blocks are never empty */
+        if (R1 > 1) /* R1 = 1 has n2 = 0; the test keeps a 0-row tile from being compiled */
             for (int b = 0; b < n2; b++, r0 += R1 - 1)
                 SR_FN(sr_narrow_tile)(j, wt, R1 - 1, O, r0, o0, no, 0);
     }
