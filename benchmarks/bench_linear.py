@@ -14,6 +14,12 @@ the best of 5 passes each. Needs gcc and the built module (its threshold and sge
 
     python benchmarks/bench_linear.py                       # all shapes, 2 threads
     python benchmarks/bench_linear.py --rows 32 64 128 --shapes 1024x1024
+
+With --split it measures, instead, how mc_cpu_sgemm divides an OpenBLAS GEMM between the
+threads: every call on OpenBLAS, split by rows (MARCACHE_GEMM_SPLIT=rows) against split by
+columns (cols), and the split the default (auto) picks for that shape:
+
+    python benchmarks/bench_linear.py --split --rows 100 200 330 514 642 --shapes 768x2304 3072x768
 """
 import argparse
 import os
@@ -54,6 +60,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="INxOUT of the weight")
+    ap.add_argument("--split", action="store_true",
+                    help="compare the row and column splits of OpenBLAS GEMMs instead of the two paths")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     shapes = []
@@ -77,6 +85,8 @@ def main():
     print(f"small-row ISA {info['cpu_isa']}; default threshold: rows <= {info['smallrow_max']} "
           f"(MARCACHE_SMALLROW_MAX={os.environ.get('MARCACHE_SMALLROW_MAX', 'unset')}); threads {args.threads}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.split:
+        return split_table(args, exe, shapes, peak)
     rows_out, results = [], []
     for inp, out in shapes:
         text = subprocess.run([exe, str(args.threads), str(inp), str(out), *map(str, args.rows)], check=True,
@@ -96,6 +106,30 @@ def main():
     if args.json:
         write_json(args.json, threads=args.threads, sgemm_gflops=peak, smallrow_max=info["smallrow_max"],
                    results=results)
+
+
+def split_table(args, exe, shapes, peak):
+    """Row split against column split of the same OpenBLAS GEMMs, and AUTO's choice."""
+    rows_out, results = [], []
+    for inp, out in shapes:
+        text = subprocess.run([exe, "--split", str(args.threads), str(inp), str(out), *map(str, args.rows)],
+                              check=True, capture_output=True, text=True).stdout
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            rows, by_rows, by_cols, auto = line.split()  # auto: mc_cpu_sgemm_splits_rows's choice
+            rows, by_rows, by_cols = int(rows), float(by_rows), float(by_cols)
+            rows_out.append([f"{inp} x {out}", rows, f"{by_rows:.1f}", f"{by_cols:.1f}", f"{by_cols / by_rows:.2f}x",
+                             auto])
+            results.append({"in": inp, "out": out, "rows": rows, "row_split_gflops": by_rows,
+                            "col_split_gflops": by_cols, "auto": auto})
+        print(f"{inp} x {out} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"\nOpenBLAS linear, fp32, bias, {args.threads} threads; sgemm {peak:.1f} GFLOP/s (NumPy's OpenBLAS, "
+          "same run)")
+    print_table(["in x out", "rows", "row split GFLOP/s", "column split GFLOP/s", "columns / rows", "auto picks"],
+                rows_out)
+    if args.json:
+        write_json(args.json, threads=args.threads, sgemm_gflops=peak, split=True, results=results)
 
 
 if __name__ == "__main__":

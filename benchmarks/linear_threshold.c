@@ -3,6 +3,7 @@
  * Built and run by benchmarks/bench_linear.py; not part of the module.
  *
  *   linear_threshold THREADS IN OUT ROWS...
+ *   linear_threshold --split THREADS IN OUT ROWS...
  *
  * Two CPU backends are made through the module's own factory, one with
  * MARCACHE_SMALLROW_MAX=4096 (every call on the small-row kernel,
@@ -13,12 +14,18 @@
  * at hand, and each timed pass runs x [ROWS, IN] through all of them in turn,
  * so every call reads its W from memory, as the engine's layers do. The two
  * paths alternate pass by pass; the best of 5 passes each is printed as
- *   ROWS small-row GFLOP/s  OpenBLAS GFLOP/s */
+ *   ROWS small-row GFLOP/s  OpenBLAS GFLOP/s
+ * With --split both backends run every call on OpenBLAS (threshold 0), one
+ * with MARCACHE_GEMM_SPLIT=rows and one with cols (how mc_cpu_sgemm divides
+ * a GEMM between the threads), printed as
+ *   ROWS row-split GFLOP/s  column-split GFLOP/s  the split the default picks */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
-#include "backend/ops.h" /* mc_backend_cpu_create, mc_backend_destroy */
+#include "backend/cpu/cpu_internal.h" /* mc_cpu_sgemm_splits_rows */
+#include "backend/ops.h"              /* mc_backend_cpu_create, mc_backend_destroy */
 
 static double seconds(void) {
     struct timespec t;
@@ -26,10 +33,11 @@ static double seconds(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static mc_backend *make_backend(const char *smallrow_max, int threads) {
+static mc_backend *make_backend(const char *smallrow_max, const char *gemm_split, int threads) {
     mc_err err = {0};
     mc_backend *be = NULL;
     setenv("MARCACHE_SMALLROW_MAX", smallrow_max, 1);
+    setenv("MARCACHE_GEMM_SPLIT", gemm_split, 1);
     if (mc_backend_cpu_create(&be, threads, &err) != MC_OK) {
         fprintf(stderr, "linear_threshold: the CPU backend: %s\n", err.msg);
         exit(2);
@@ -38,8 +46,13 @@ static mc_backend *make_backend(const char *smallrow_max, int threads) {
 }
 
 int main(int argc, char **argv) {
+    const int split_mode = argc > 1 && strcmp(argv[1], "--split") == 0;
+    if (split_mode) {
+        argc--;
+        argv++;
+    }
     if (argc < 5) {
-        fprintf(stderr, "usage: linear_threshold THREADS IN OUT ROWS...\n");
+        fprintf(stderr, "usage: linear_threshold [--split] THREADS IN OUT ROWS...\n");
         return 2;
     }
     const int threads = atoi(argv[1]);
@@ -69,7 +82,8 @@ int main(int argc, char **argv) {
         x[i] = (float)((uint64_t)i * 7919u % 100u) * 1e-2f - 0.5f;
     for (int64_t i = 0; i < out; i++)
         bias[i] = 0.01f * (float)(i % 7);
-    mc_backend *paths[2] = {make_backend("4096", threads), make_backend("0", threads)};
+    mc_backend *paths[2] = {split_mode ? make_backend("0", "rows", threads) : make_backend("4096", "auto", threads),
+                            split_mode ? make_backend("0", "cols", threads) : make_backend("0", "auto", threads)};
     for (int a = 4; a < argc; a++) {
         const int64_t rows = atol(argv[a]);
         double best[2] = {1e30, 1e30};
@@ -87,7 +101,11 @@ int main(int argc, char **argv) {
             best[p] = dt < best[p] ? dt : best[p];
         }
         const double flop = 2.0 * (double)rows * (double)in * (double)out * (double)nmat;
-        printf("%lld %.2f %.2f\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9);
+        if (split_mode)
+            printf("%lld %.2f %.2f %s\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9,
+                   mc_cpu_sgemm_splits_rows(threads, rows, out) ? "rows" : "cols");
+        else
+            printf("%lld %.2f %.2f\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9);
         fflush(stdout);
     }
     mc_backend_destroy(paths[0]);

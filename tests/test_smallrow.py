@@ -316,6 +316,7 @@ def test_the_guard_backend_runs_the_same_kernel():
     ("MARCACHE_SMALLROW_MAX", "4097", "MARCACHE_SMALLROW_MAX='4097'"),
     ("MARCACHE_SMALLROW_MAX", "8 ", "MARCACHE_SMALLROW_MAX='8 '"),
     ("MARCACHE_HUGE_PAGES", "yes", "MARCACHE_HUGE_PAGES='yes': expected 0 or 1"),
+    ("MARCACHE_GEMM_SPLIT", "columns", "MARCACHE_GEMM_SPLIT='columns': expected auto, rows or cols"),
 ])
 def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragment):
     x, w, _, _ = make_inputs(0, 2, 3, 4)
@@ -324,6 +325,7 @@ def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragm
             _C.run_op("cpu", "linear", (x, w), {})
         assert _C.build_info()["cpu_isa"].startswith("invalid: " + name)
         assert _C.build_info()["smallrow_max"] == -1 and _C.build_info()["huge_pages"] == -1
+        assert _C.build_info()["gemm_split"] == "invalid"
 
 
 def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
@@ -343,3 +345,31 @@ def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
                     _C.run_op("cpu", "linear", (x, w), {})
     with env(MARCACHE_CPU_ISA="auto", MARCACHE_SMALLROW_MAX="0"):
         assert _C.build_info()["cpu_isa"] == SUPPORTED[0] and _C.build_info()["smallrow_max"] == 0
+
+
+# Above the small-row threshold a linear is an OpenBLAS sgemm that mc_cpu_sgemm splits across
+# the team by rows or by columns (cpu_backend.c; by default columns up to 600 rows). With
+# OpenBLAS's SkylakeX kernels neither split changes a bit against the one-thread call; its
+# Haswell kernels round some outputs differently with the number of rows a call has (measured
+# with OPENBLAS_CORETYPE=Haswell: the row split too), so there every split is held to the
+# float64 reference instead, as the batch-invariance tests hold whole images to a tolerance.
+# Rows around the split's 16-row blocks and the 600-row switch; MAR-B's Linear shapes (in, out).
+GEMM_SPLIT_CASES = [(rows, inp, out) for rows in (97, 100, 200, 330, 600, 601, 642)
+                    for inp, out in ((768, 2304), (3072, 768))]
+SPLITS_KEEP_BITS = _C.build_info()["blas_core"] == "SkylakeX"
+
+
+@pytest.mark.parametrize("rows, inp, out", GEMM_SPLIT_CASES)
+def test_the_gemm_split_keeps_the_result(rows, inp, out):
+    x, w, b, _ = make_inputs(rows * 7 + out, rows, inp, out)
+    with env(MARCACHE_GEMM_SPLIT=None):
+        serial = run_linear(None, x, w, b, threads=1)
+    check_against_reference(serial, x, w, b, None, "none", 0.0, "fp32")
+    for split in ("auto", "rows", "cols"):
+        with env(MARCACHE_GEMM_SPLIT=split):
+            assert _C.build_info()["gemm_split"] == split
+            got = run_linear(None, x, w, b, threads=2)
+        if SPLITS_KEEP_BITS:
+            np.testing.assert_array_equal(got, serial, err_msg=f"MARCACHE_GEMM_SPLIT={split}, {rows} rows")
+        else:
+            check_against_reference(got, x, w, b, None, "none", 0.0, "fp32")

@@ -94,14 +94,17 @@ static int add_cuda_info(PyObject *info) {
 /* The CPU backend's small-row kernels (cpu_smallrow.c): cpu_isa, the
  * instruction set a CPU backend made now uses (MARCACHE_CPU_ISA honoured;
  * a bad value is reported in the string, since build_info must not raise),
- * the sets this CPU supports, and smallrow_max, the row threshold
- * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment). */
+ * the sets this CPU supports, smallrow_max, the row threshold
+ * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment), huge_pages
+ * and gemm_split (MARCACHE_GEMM_SPLIT; "invalid" with a bad environment). */
 static int add_cpu_isa_info(PyObject *info) {
     mc_err err = {0};
     mc_cpu_config cfg;
     PyObject *isa_s;
+    const char *gemm_split = "invalid";
     if (mc_cpu_config_from_env(&cfg, &err) == MC_OK) {
         isa_s = PyUnicode_FromString(mc_cpu_isa_name(cfg.isa));
+        gemm_split = mc_cpu_gemm_split_name(cfg.gemm_split);
     } else {
         isa_s = PyUnicode_FromFormat("invalid: %s", err.msg);
         cfg.smallrow_max = -1;
@@ -122,8 +125,9 @@ static int add_cpu_isa_info(PyObject *info) {
         Py_XDECREF(supported);
         return -1;
     }
-    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i}", "cpu_isa", isa_s, "cpu_isa_supported", supported,
-                                      "smallrow_max", cfg.smallrow_max, "huge_pages", cfg.huge_pages);
+    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i,s:s}", "cpu_isa", isa_s, "cpu_isa_supported", supported,
+                                      "smallrow_max", cfg.smallrow_max, "huge_pages", cfg.huge_pages, "gemm_split",
+                                      gemm_split);
     if (entries == NULL)
         return -1;
     int rc = PyDict_Update(info, entries);
@@ -174,11 +178,11 @@ static PyObject *sgemm_seconds(PyObject *self, PyObject *args) {
             a[i] = (float)((i % 17) - 8) * 0.01f;
         for (long long i = 0; i < n * k; i++)
             b[i] = (float)((i % 13) - 6) * 0.01f;
-        mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+        mc_cpu_sgemm(mc_cpu_threads(be), mc_cpu_gemm_split_of(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
         for (int r = 0; r < reps; r++) {
             struct timespec t0, t1;
             clock_gettime(CLOCK_MONOTONIC, &t0);
-            mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
+            mc_cpu_sgemm(mc_cpu_threads(be), mc_cpu_gemm_split_of(be), 0, 1, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
             clock_gettime(CLOCK_MONOTONIC, &t1);
             double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
             if (r == 0 || dt < best)

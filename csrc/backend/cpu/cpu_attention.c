@@ -38,10 +38,12 @@ static void attention_pair_16bit(mc_cpu_isa isa, mc_wtype t, int64_t nq, int hea
         round_rows(t, segs[g].v + off, segs[g].ld, segs[g].rows, head_dim, vr + row * head_dim, head_dim);
         row += segs[g].rows;
     }
-    mc_cpu_sgemm(1, 0, 1, nq, total_keys, head_dim, scale, qr, head_dim, kr, head_dim, 0.0f, s, total_keys);
+    mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO,
+                 0, 1, nq, total_keys, head_dim, scale, qr, head_dim, kr, head_dim, 0.0f, s, total_keys);
     mc_cpu_softmax_rows(isa, s, nq, total_keys, total_keys);
     round_rows(t, s, total_keys, nq, total_keys, s, total_keys);
-    mc_cpu_sgemm(1, 0, 0, nq, head_dim, total_keys, 1.0f, s, total_keys, vr, head_dim, 0.0f, ob, ldo);
+    mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO,
+                 0, 0, nq, head_dim, total_keys, 1.0f, s, total_keys, vr, head_dim, 0.0f, ob, ldo);
 }
 
 mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads, int head_dim,
@@ -89,7 +91,8 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             if (segs[g].rows == 0)
                 continue;
             const float *kb = segs[g].k + b * segs[g].batch_stride + h * head_dim;
-            mc_cpu_sgemm(1, 0, 1, nq, segs[g].rows, head_dim, scale, qb, ldq, kb, segs[g].ld, 0.0f,
+            mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO,
+                         0, 1, nq, segs[g].rows, head_dim, scale, qb, ldq, kb, segs[g].ld, 0.0f,
                          s + col, total_keys);
             col += segs[g].rows;
         }
@@ -100,7 +103,7 @@ mc_status mc_cpu_attention(mc_backend *be, int64_t batch, int64_t nq, int heads,
             if (segs[g].rows == 0)
                 continue;
             const float *vb = segs[g].v + b * segs[g].batch_stride + h * head_dim;
-            mc_cpu_sgemm(1, 0, 0, nq, head_dim, segs[g].rows, 1.0f, s + col, total_keys, vb,
+            mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO, 0, 0, nq, head_dim, segs[g].rows, 1.0f, s + col, total_keys, vb,
                          segs[g].ld, first ? 0.0f : 1.0f, ob, ldo);
             col += segs[g].rows;
             first = 0;
@@ -138,7 +141,8 @@ mc_status mc_cpu_attention_mass(mc_backend *be, int64_t batch, int64_t nq, int h
         for (int h = 0; h < heads; h++) {
             if (nq == 0)
                 break;
-            mc_cpu_sgemm(1, 0, 1, nq, keys, head_dim, scale, q + b * q_bstride + (int64_t)h * head_dim, ldq,
+            mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO,
+                         0, 1, nq, keys, head_dim, scale, q + b * q_bstride + (int64_t)h * head_dim, ldq,
                          k + b * k_bstride + (int64_t)h * head_dim, ldk, 0.0f, s, keys);
             mc_cpu_softmax_rows(isa, s, nq, keys, keys);
             for (int64_t i = 0; i < nq; i++)

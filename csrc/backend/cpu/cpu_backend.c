@@ -24,12 +24,29 @@ static enum CBLAS_TRANSPOSE to_cblas(int trans) { return trans ? CblasTrans : Cb
 /* One thread pool for everything: OpenBLAS runs single-threaded and GEMMs
  * are split across the OpenMP team here. Two pools (OpenMP for the row ops,
  * OpenBLAS's pthreads for GEMMs) spin-wait against each other and ran the
- * MAR head ~5x slower on two cores. Splitting M keeps each output row's
- * arithmetic independent of how many rows a call has (the same K blocking),
- * which is what makes an image's result independent of its batch. */
+ * MAR head ~5x slower on two cores. OpenBLAS never splits K, so a split
+ * changes no output's summation on its SkylakeX kernels: both splits give
+ * the one-thread call's bits (tests/test_smallrow.py). Its Haswell kernels
+ * round some outputs differently with a call's row count (the row split as
+ * well); an image's result then depends on its batch within float32
+ * rounding, which the batch-invariance tests' tolerance allows.
+ *
+ * Which split: each thread's sgemm packs its own copy of the operand it
+ * reads whole (all of W when rows are split, all of x when columns are), and
+ * a row split is cut at multiples of 16 rows, so 200 rows on two threads run
+ * as 112 + 88 and 514 as 272 + 242. Up to MC_GEMM_COL_SPLIT_MAX_ROWS rows the
+ * columns are split (the halves come out even), given every thread at least
+ * MC_GEMM_COL_SPLIT_MIN_COLS columns. Measured through `linear` on the 2-core
+ * EPYC (Zen 4, OpenBLAS SkylakeX, MAR-B's four Linear shapes, weights beyond
+ * L3, alternated; benchmarks/results/gemm-split-2026-11-28.md): columns
+ * 1.00-1.43x the row split at 100-578 rows, even (0.98-1.03x) at 640-800,
+ * where the row split is balanced; MAR-B's decoder (640 rows at batch 1)
+ * keeps it. */
 #define MC_GEMM_PARALLEL_MIN_FLOPS (4.0 * 1024 * 1024)
 #define MC_GEMM_ROW_ALIGN 16
 #define MC_GEMM_COL_ALIGN 64
+#define MC_GEMM_COL_SPLIT_MAX_ROWS 600
+#define MC_GEMM_COL_SPLIT_MIN_COLS 256
 
 static void sgemm_serial(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                          const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
@@ -38,9 +55,17 @@ static void sgemm_serial(int trans_a, int trans_b, int64_t m, int64_t n, int64_t
                       (blasint)k, alpha, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
 }
 
-void mc_cpu_sgemm(int threads, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                  const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                  int64_t ldc) {
+int mc_cpu_sgemm_splits_rows(int threads, int64_t m, int64_t n) {
+    const int cols_fit = n >= (int64_t)threads * MC_GEMM_COL_SPLIT_MIN_COLS;
+    if (m <= MC_GEMM_COL_SPLIT_MAX_ROWS && cols_fit)
+        return 0;
+    /* Otherwise rows, when every thread gets a useful block of them. */
+    return m >= (int64_t)threads * MC_GEMM_ROW_ALIGN * 2;
+}
+
+void mc_cpu_sgemm(int threads, mc_cpu_gemm_split split, int trans_a, int trans_b, int64_t m, int64_t n,
+                  int64_t k, float alpha, const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                  float *c, int64_t ldc) {
     if (m == 0 || n == 0)
         return;
     if (omp_get_level() > 0)
@@ -49,9 +74,16 @@ void mc_cpu_sgemm(int threads, int trans_a, int trans_b, int64_t m, int64_t n, i
         sgemm_serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
     }
-    /* Split rows when every thread gets a useful block, otherwise columns
-     * (the head's GEMMs have few rows and wide outputs). */
-    const int split_rows = m >= (int64_t)threads * MC_GEMM_ROW_ALIGN * 2;
+    /* A forced split where the call has too few rows or columns for it
+     * (fewer than one aligned block per thread) runs serially. */
+    int split_rows = mc_cpu_sgemm_splits_rows(threads, m, n);
+    if (split != MC_CPU_GEMM_SPLIT_AUTO) {
+        split_rows = split == MC_CPU_GEMM_SPLIT_ROWS;
+        if (split_rows ? m < (int64_t)threads * MC_GEMM_ROW_ALIGN : n < (int64_t)threads * MC_GEMM_COL_ALIGN) {
+            sgemm_serial(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+            return;
+        }
+    }
     const int64_t extent = split_rows ? m : n;
     const int64_t align = split_rows ? MC_GEMM_ROW_ALIGN : MC_GEMM_COL_ALIGN;
 #pragma omp parallel num_threads(threads)
@@ -83,6 +115,8 @@ int mc_cpu_threads(mc_backend *be) { return ((cpu_state *)be->impl)->num_threads
 mc_cpu_isa mc_cpu_isa_of(mc_backend *be) { return ((cpu_state *)be->impl)->config.isa; }
 
 int mc_cpu_smallrow_max(mc_backend *be) { return ((cpu_state *)be->impl)->config.smallrow_max; }
+
+mc_cpu_gemm_split mc_cpu_gemm_split_of(mc_backend *be) { return ((cpu_state *)be->impl)->config.gemm_split; }
 
 float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what, mc_err *err) {
     cpu_state *st = be->impl;

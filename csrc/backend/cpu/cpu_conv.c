@@ -298,7 +298,8 @@ static void conv_chunk(const float *x, int64_t height, int64_t width, int64_t ci
     }
     float *yc = y + row0 * width * cout;
     float gemm_beta = mc_cpu_prefill_bias(yc, pixels, cout, cout, bias, beta);
-    mc_cpu_sgemm(1, 0, 1, pixels, cout, patch, 1.0f, a, patch, w, patch, gemm_beta, yc, cout);
+    mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO,
+                 0, 1, pixels, cout, patch, 1.0f, a, patch, w, patch, gemm_beta, yc, cout);
 }
 
 mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t height,

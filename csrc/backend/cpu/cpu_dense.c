@@ -26,7 +26,8 @@ mc_status mc_cpu_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64
                       float beta, float *c, int64_t ldc, mc_err *err) {
     (void)be;
     (void)err;
-    mc_cpu_sgemm(mc_cpu_threads(be), trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    mc_cpu_sgemm(mc_cpu_threads(be), mc_cpu_gemm_split_of(be),
+                 trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return MC_OK;
 }
 
@@ -132,7 +133,8 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         }
         beta = 1.0f;
     }
-    mc_cpu_sgemm(mc_cpu_threads(be), 0, 1, rows, out, in, 1.0f, xg, ldxg, wg, in, beta, y, ldy);
+    mc_cpu_sgemm(mc_cpu_threads(be), mc_cpu_gemm_split_of(be),
+                 0, 1, rows, out, in, 1.0f, xg, ldxg, wg, in, beta, y, ldy);
     apply_act_rows(be, act, y, ldy, rows, out);
     return MC_OK;
 }

@@ -5,12 +5,24 @@
 
 #include "../ops.h"
 
+/* How mc_cpu_sgemm splits a GEMM across its team (MARCACHE_GEMM_SPLIT):
+ * AUTO chooses by shape (mc_cpu_sgemm_splits_rows); ROWS and COLS force one
+ * split where the call has enough rows or columns for it, for tests and
+ * benchmarks. Every split gives the same bits. */
+typedef enum mc_cpu_gemm_split {
+    MC_CPU_GEMM_SPLIT_AUTO = 0,
+    MC_CPU_GEMM_SPLIT_ROWS,
+    MC_CPU_GEMM_SPLIT_COLS
+} mc_cpu_gemm_split;
 /* cblas is reached through these so the BLAS symbol prefix lives in one place. */
 /* `threads`: the team size for a GEMM called outside a parallel region
  * (inside one it always runs serially on the calling thread). */
-void mc_cpu_sgemm(int threads, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                  const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                  int64_t ldc);
+void mc_cpu_sgemm(int threads, mc_cpu_gemm_split split, int trans_a, int trans_b, int64_t m, int64_t n,
+                  int64_t k, float alpha, const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                  float *c, int64_t ldc);
+const char *mc_cpu_gemm_split_name(mc_cpu_gemm_split split);
+/* AUTO's choice for an m x n result on `threads` threads: 1 splits rows, 0 columns. */
+int mc_cpu_sgemm_splits_rows(int threads, int64_t m, int64_t n);
 const char *mc_cpu_blas_config(void);
 /* The kernel family OpenBLAS chose at load (e.g. "SkylakeX"). */
 const char *mc_cpu_blas_core(void);
@@ -104,6 +116,7 @@ typedef struct mc_cpu_config {
     mc_cpu_isa isa;   /* MARCACHE_CPU_ISA: the small-row kernels' instruction set */
     int smallrow_max; /* MARCACHE_SMALLROW_MAX: linear's small-row threshold */
     int huge_pages;   /* MARCACHE_HUGE_PAGES: buffers of 2 MiB or more asked for huge pages */
+    mc_cpu_gemm_split gemm_split; /* MARCACHE_GEMM_SPLIT: auto, rows or cols */
 } mc_cpu_config;
 /* The configuration a CPU backend made now uses (the environment read,
  * checked: a bad value is MC_ERR_VALUE naming the variable). */
@@ -124,6 +137,7 @@ void mc_cpu_silu_array(mc_cpu_isa isa, const float *x, float *y, int64_t n);
  * place, in one order for every isa. */
 void mc_cpu_softmax_rows(mc_cpu_isa isa, float *s, int64_t rows, int64_t cols, int64_t ld);
 int mc_cpu_smallrow_max(mc_backend *be);
+mc_cpu_gemm_split mc_cpu_gemm_split_of(mc_backend *be);
 
 /* One small-row linear: y = beta * y + act(xp W^T + bias), the contract of
  * the op (ops_list.h) with x already packed by mc_cpu_smallrow_pack_x. */

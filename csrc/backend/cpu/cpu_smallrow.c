@@ -64,6 +64,10 @@
  * run inside one thread's slice, the last one short where the slice ends. */
 #define MC_SMALLROW_SLICE_ALIGN 16
 
+const char *mc_cpu_gemm_split_name(mc_cpu_gemm_split split) {
+    return split == MC_CPU_GEMM_SPLIT_ROWS ? "rows" : split == MC_CPU_GEMM_SPLIT_COLS ? "cols" : "auto";
+}
+
 const char *mc_cpu_isa_name(mc_cpu_isa isa) {
     return isa == MC_CPU_ISA_AVX512 ? "avx512" : isa == MC_CPU_ISA_AVX2 ? "avx2" : "plain";
 }
@@ -120,6 +124,20 @@ mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_SMALLROW_MAX='%.64s': expected an integer in [0, %d]",
                            max_text, MC_SMALLROW_MAX_LIMIT);
         cfg->smallrow_max = (int)v;
+    }
+    cfg->gemm_split = MC_CPU_GEMM_SPLIT_AUTO;
+    const char *split = getenv("MARCACHE_GEMM_SPLIT");
+    if (split != NULL && *split != '\0') {
+        static const mc_cpu_gemm_split all[] = {MC_CPU_GEMM_SPLIT_AUTO, MC_CPU_GEMM_SPLIT_ROWS,
+                                                MC_CPU_GEMM_SPLIT_COLS};
+        int found = 0;
+        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
+            if (strcmp(split, mc_cpu_gemm_split_name(all[k])) == 0) {
+                cfg->gemm_split = all[k];
+                found = 1;
+            }
+        if (!found)
+            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_GEMM_SPLIT='%.64s': expected auto, rows or cols", split);
     }
     cfg->huge_pages = 1;
     const char *huge = getenv("MARCACHE_HUGE_PAGES");

@@ -152,7 +152,8 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
                     mc_cpu_prefill_bias(yc + r * ldy, 1, cout, ldy, bias, beta);
                 gemm_beta = 1.0f;
             }
-            mc_cpu_sgemm(threads, 0, 1, np, cout, cin, 1.0f, x + p0 * ldx, ldx, w, cin, gemm_beta,
+            mc_cpu_sgemm(threads, mc_cpu_gemm_split_of(be),
+                         0, 1, np, cout, cin, 1.0f, x + p0 * ldx, ldx, w, cin, gemm_beta,
                          yc, ldy);
             if (relu) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
@@ -181,7 +182,8 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
         const int64_t pixels = nrows * ow;
         float *yc = y + row0 * ow * ldy;
         float gemm_beta = mc_cpu_prefill_bias(yc, pixels, cout, ldy, bias, beta);
-        mc_cpu_sgemm(1, 0, 1, pixels, cout, patch, 1.0f, col, patch, w, patch, gemm_beta, yc, ldy);
+        mc_cpu_sgemm(1, MC_CPU_GEMM_SPLIT_AUTO,
+                     0, 1, pixels, cout, patch, 1.0f, col, patch, w, patch, gemm_beta, yc, ldy);
         if (relu)
             relu_rows(yc, pixels, cout, ldy);
     }
