@@ -63,8 +63,10 @@ def build_info():
     the best this CPU has, or MARCACHE_CPU_ISA), ``cpu_isa_supported`` the sets this CPU
     runs, ``smallrow_max`` the most rows a linear sends to them (MARCACHE_SMALLROW_MAX;
     0: off); ``huge_pages``: 1 when the CPU backend asks for transparent huge pages for
-    buffers of 2 MiB or more (MARCACHE_HUGE_PAGES, default 1; 0: off). The last three read
-    the environment now, as a backend made now would; -1 where it holds a bad value."""
+    buffers of 2 MiB or more (MARCACHE_HUGE_PAGES, default 1; 0: off); ``gemm_split``: how
+    the CPU backend divides an OpenBLAS GEMM between its threads (MARCACHE_GEMM_SPLIT: auto,
+    rows or cols). These four read the environment now, as a backend made now would; -1
+    (``gemm_split``: "invalid") where it holds a bad value."""
     return dict(_C.build_info())
 
 
