@@ -8,7 +8,8 @@
 /* How mc_cpu_sgemm splits a GEMM across its team (MARCACHE_GEMM_SPLIT):
  * AUTO chooses by shape (mc_cpu_sgemm_splits_rows); ROWS and COLS force one
  * split where the call has enough rows or columns for it, for tests and
- * benchmarks. Every split gives the same bits. */
+ * benchmarks. On OpenBLAS's SkylakeX kernels every split gives the same bits
+ * (cpu_backend.c says where they do not). */
 typedef enum mc_cpu_gemm_split {
     MC_CPU_GEMM_SPLIT_AUTO = 0,
     MC_CPU_GEMM_SPLIT_ROWS,
