@@ -88,18 +88,11 @@ def main():
     if args.split:
         return split_table(args, exe, shapes, peak)
     rows_out, results = [], []
-    for inp, out in shapes:
-        text = subprocess.run([exe, str(args.threads), str(inp), str(out), *map(str, args.rows)], check=True,
-                              capture_output=True, text=True).stdout
-        for line in text.split("\n"):
-            if not line.strip():
-                continue
-            rows, small, blas = line.split()
-            rows, small, blas = int(rows), float(small), float(blas)
-            picked = "small-row" if rows <= info["smallrow_max"] else "OpenBLAS"
-            rows_out.append([f"{inp} x {out}", rows, f"{small:.1f}", f"{blas:.1f}", f"{small / blas:.2f}x", picked])
-            results.append({"in": inp, "out": out, "rows": rows, "smallrow_gflops": small, "openblas_gflops": blas})
-        print(f"{inp} x {out} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    for inp, out, (rows, small, blas) in harness_lines(exe, [], args, shapes):
+        rows, small, blas = int(rows), float(small), float(blas)
+        picked = "small-row" if rows <= info["smallrow_max"] else "OpenBLAS"
+        rows_out.append([f"{inp} x {out}", rows, f"{small:.1f}", f"{blas:.1f}", f"{small / blas:.2f}x", picked])
+        results.append({"in": inp, "out": out, "rows": rows, "smallrow_gflops": small, "openblas_gflops": blas})
     print(f"\nlinear, fp32, bias, {args.threads} threads; sgemm {peak:.1f} GFLOP/s (NumPy's OpenBLAS, same run)")
     print_table(["in x out", "rows", "small-row GFLOP/s", "OpenBLAS GFLOP/s", "small-row / OpenBLAS",
                  "default path"], rows_out)
@@ -108,22 +101,28 @@ def main():
                    results=results)
 
 
+def harness_lines(exe, mode, args, shapes):
+    """(in, out, fields of one output line) for every row count of every shape, from one
+    run of the harness per shape (`mode`: its options before THREADS)."""
+    for inp, out in shapes:
+        text = subprocess.run([exe, *mode, str(args.threads), str(inp), str(out), *map(str, args.rows)],
+                              check=True, capture_output=True, text=True).stdout
+        for line in text.split("\n"):
+            if line.strip():
+                yield inp, out, line.split()
+        print(f"{inp} x {out} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+
+
 def split_table(args, exe, shapes, peak):
     """Row split against column split of the same OpenBLAS GEMMs, and AUTO's choice."""
     rows_out, results = [], []
-    for inp, out in shapes:
-        text = subprocess.run([exe, "--split", str(args.threads), str(inp), str(out), *map(str, args.rows)],
-                              check=True, capture_output=True, text=True).stdout
-        for line in text.split("\n"):
-            if not line.strip():
-                continue
-            rows, by_rows, by_cols, auto = line.split()  # auto: mc_cpu_sgemm_splits_rows's choice
-            rows, by_rows, by_cols = int(rows), float(by_rows), float(by_cols)
-            rows_out.append([f"{inp} x {out}", rows, f"{by_rows:.1f}", f"{by_cols:.1f}", f"{by_cols / by_rows:.2f}x",
-                             auto])
-            results.append({"in": inp, "out": out, "rows": rows, "row_split_gflops": by_rows,
-                            "col_split_gflops": by_cols, "auto": auto})
-        print(f"{inp} x {out} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    # auto: the split mc_cpu_sgemm_splits_rows picks for the shape
+    for inp, out, (rows, by_rows, by_cols, auto) in harness_lines(exe, ["--split"], args, shapes):
+        rows, by_rows, by_cols = int(rows), float(by_rows), float(by_cols)
+        rows_out.append([f"{inp} x {out}", rows, f"{by_rows:.1f}", f"{by_cols:.1f}", f"{by_cols / by_rows:.2f}x",
+                         auto])
+        results.append({"in": inp, "out": out, "rows": rows, "row_split_gflops": by_rows,
+                        "col_split_gflops": by_cols, "auto": auto})
     print(f"\nOpenBLAS linear, fp32, bias, {args.threads} threads; sgemm {peak:.1f} GFLOP/s (NumPy's OpenBLAS, "
           "same run)")
     print_table(["in x out", "rows", "row split GFLOP/s", "column split GFLOP/s", "columns / rows", "auto picks"],

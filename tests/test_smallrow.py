@@ -246,6 +246,13 @@ def test_the_threshold_benchmark_builds_and_times_both_paths(tmp_path):
     assert all(float(v) > 0 for r in rows for v in r[1:])
     bad = subprocess.run([exe, "1", "0", "128", "3"], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "must be positive" in bad.stderr
+    # --split (bench_linear.py --split): both splits timed, and the one the default picks:
+    # columns up to 600 rows when each of the 2 threads gets 256 columns, rows above.
+    out = subprocess.run([exe, "--split", "2", "64", "512", "100", "601"], capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert [(r[0], r[3]) for r in rows] == [("100", "cols"), ("601", "rows")]
+    assert all(float(v) > 0 for r in rows for v in r[1:3])
 
 
 @pytest.mark.parametrize("isa", ISAS)
