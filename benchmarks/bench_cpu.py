@@ -131,7 +131,8 @@ def main():
     sgemv_before = sgemv_bandwidth(int(head_bytes), 5)
     print_machine(shapes)
     info = mc.build_info()
-    print(f"small-row linear: {info['cpu_isa']}, rows <= {info['smallrow_max']}; huge pages "
+    print(f"small-row linear: {info['cpu_isa']}, fp32 panels rows <= {info['panel_max']}, lanes rows <= "
+          f"{info['smallrow_max']}; huge pages "
           f"{'on' if info['huge_pages'] == 1 else 'off'}; sgemv over the head's "
           f"{head_bytes / 1e6:.0f} MB: {sgemv_before:.1f} GB/s; load average {os.getloadavg()[0]:.2f}", flush=True)
 

@@ -8,9 +8,11 @@ head is bound by streaming its weights. This script measures, in one run:
       (NumPy's OpenBLAS, `--threads` threads; the best of `--repeats`), and a plain
       streaming read of the same bytes (NumPy sums over halves, one Python thread each);
   (b) marcache's `head_sample` (the 100-step DDPM sampler with CFG) on MAR-B random
-      weights at a few row counts, fp32 and bf16, with the small-row path (the default)
-      and without it (MARCACHE_SMALLROW_MAX=0: every linear goes to OpenBLAS, 16-bit
-      weights widened per call), each variant a model of its own in this process, the
+      weights at a few row counts, fp32 and bf16, with the small-row path (the default:
+      fp32 on column panels, bf16 on the lane kernel), fp32 on the lane kernel
+      (MARCACHE_SMALLROW_PANELS=0), and without the small-row path
+      (MARCACHE_SMALLROW_MAX=0: every linear goes to OpenBLAS, 16-bit weights widened per
+      call), each variant a model of its own in this process, the
       variants alternated repeat by repeat so the machine's load falls on all alike.
 
 It reports seconds per head_sample call, GB/s of head weights (the bytes each step
@@ -85,11 +87,14 @@ def stream_bandwidth(nbytes, repeats, threads):
 
 
 def load_variant(path, dtype, smallrow, isa, threads):
-    """A model whose backend reads MARCACHE_SMALLROW_MAX / MARCACHE_CPU_ISA as set here."""
-    saved = {k: os.environ.get(k) for k in ("MARCACHE_SMALLROW_MAX", "MARCACHE_CPU_ISA")}
+    """A model whose backend reads MARCACHE_SMALLROW_MAX / MARCACHE_SMALLROW_PANELS /
+    MARCACHE_CPU_ISA as set here (smallrow: True, False, or "lanes": panels off)."""
+    saved = {k: os.environ.get(k) for k in ("MARCACHE_SMALLROW_MAX", "MARCACHE_CPU_ISA", "MARCACHE_SMALLROW_PANELS")}
     try:
         if not smallrow:
             os.environ["MARCACHE_SMALLROW_MAX"] = "0"
+        if smallrow == "lanes":
+            os.environ["MARCACHE_SMALLROW_PANELS"] = "0"
         if isa is not None:
             os.environ["MARCACHE_CPU_ISA"] = isa
         return mc.load(path, dtype=dtype, threads=threads)
@@ -138,6 +143,8 @@ def main():
         variants.append((f"{dtype} small-row", dtype, True, None))
         for isa in args.isa:
             variants.append((f"{dtype} small-row {isa}", dtype, True, isa))
+        if dtype == "fp32":
+            variants.append(("fp32 lanes (MARCACHE_SMALLROW_PANELS=0)", dtype, "lanes", None))
         variants.append((f"{dtype} OpenBLAS (MARCACHE_SMALLROW_MAX=0)", dtype, False, None))
     models = {v[0]: load_variant(args.weights, v[1], v[2], v[3], args.threads) for v in variants}
 
@@ -178,7 +185,7 @@ def main():
             flop = 2.0 * rows * (per_step * steps + once)
             roofline = max(flop / (sgemm * 1e9), nbytes / (sgemv * 1e9))
             ref = best.get(("fp32 small-row", rows))
-            speed = f"{ref / seconds:.2f}x" if ref is not None and dtype != "fp32" and smallrow and isa is None else ""
+            speed = f"{ref / seconds:.2f}x" if ref is not None and dtype != "fp32" and smallrow is True and isa is None else ""
             table.append([rows, label, f"{seconds:.3f}", f"{gbs:.1f}", f"{100 * gbs / sgemv:.0f}%", speed,
                           f"{flop / seconds / 1e9:.0f}", f"{100 * roofline / seconds:.0f}%"])
             results.append(dict(rows=rows, variant=label, dtype=dtype, smallrow=smallrow, isa=isa or info["cpu_isa"],
@@ -194,6 +201,7 @@ def main():
                head_params_per_step=per_step,
                head_params_once=once, rows=results, build=dict(cpu_isa=info["cpu_isa"],
                                                                smallrow_max=info["smallrow_max"],
+                                                               panel_max=info["panel_max"],
                                                                blas_core=info["blas_core"]))
 
 

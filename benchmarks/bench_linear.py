@@ -1,15 +1,17 @@
-"""Where the CPU `linear` should leave the small-row kernel for OpenBLAS (issue 23).
+"""Where the CPU `linear` should leave its small-row kernels for OpenBLAS (issue 23).
 
-`linear` with at most `build_info()["smallrow_max"]` rows runs marcache's small-row kernel
-(csrc/backend/cpu/cpu_smallrow.c), larger ones OpenBLAS through mc_cpu_sgemm. This
-script measures both paths on the shapes MAR-B runs (the head's 1024 x 1024 and
+`linear` with few rows runs one of marcache's small-row kernels: a bound fp32 weight's
+column panels (csrc/backend/cpu/cpu_panels.c) up to `build_info()["panel_max"]` rows, the
+lane kernel (cpu_smallrow.c: 16-bit weights, or fp32 with MARCACHE_SMALLROW_PANELS=0) up
+to `build_info()["smallrow_max"]`; larger calls run OpenBLAS through mc_cpu_sgemm. This
+script measures the three paths on the shapes MAR-B runs (the head's 1024 x 1024 and
 1024 x 3072 layers, the transformer's 768 x 2304, 768 x 3072 and 3072 x 768) at row
-counts around the threshold, and prints GFLOP/s side by side with the ratio.
+counts around the thresholds, and prints GFLOP/s side by side with the ratios.
 
 It compiles benchmarks/linear_threshold.c against the checkout's C sources and the
 scipy-openblas32 wheel the module links (the module's own flags: -O3 -march=native
--fopenmp), so both paths are the engine's own code through its backend factory; the
-two alternate pass by pass in one process, weights beyond the L3 (128 MiB per shape),
+-fopenmp), so every path is the engine's own code through its backend factory (the weights bound as a
+model's are); they alternate pass by pass in one process, weights beyond the L3 (128 MiB per shape),
 the best of 5 passes each. Needs gcc and the built module (its threshold and sgemm rate).
 
     python benchmarks/bench_linear.py                       # all shapes, 2 threads
@@ -82,23 +84,26 @@ def main():
     import marcache as mc
 
     info = mc.build_info()
-    print(f"small-row ISA {info['cpu_isa']}; default threshold: rows <= {info['smallrow_max']} "
+    print(f"small-row ISA {info['cpu_isa']}; default thresholds: panels rows <= {info['panel_max']}, "
+          f"lanes rows <= {info['smallrow_max']} "
           f"(MARCACHE_SMALLROW_MAX={os.environ.get('MARCACHE_SMALLROW_MAX', 'unset')}); threads {args.threads}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.split:
         return split_table(args, exe, shapes, peak)
     rows_out, results = [], []
-    for inp, out, (rows, small, blas) in harness_lines(exe, [], args, shapes):
-        rows, small, blas = int(rows), float(small), float(blas)
-        picked = "small-row" if rows <= info["smallrow_max"] else "OpenBLAS"
-        rows_out.append([f"{inp} x {out}", rows, f"{small:.1f}", f"{blas:.1f}", f"{small / blas:.2f}x", picked])
-        results.append({"in": inp, "out": out, "rows": rows, "smallrow_gflops": small, "openblas_gflops": blas})
+    for inp, out, (rows, panels, lanes, blas) in harness_lines(exe, [], args, shapes):
+        rows, panels, lanes, blas = int(rows), float(panels), float(lanes), float(blas)
+        picked = "panels" if rows <= info["panel_max"] else "OpenBLAS"
+        rows_out.append([f"{inp} x {out}", rows, f"{panels:.1f}", f"{lanes:.1f}", f"{blas:.1f}",
+                         f"{panels / lanes:.2f}x", f"{panels / blas:.2f}x", picked])
+        results.append({"in": inp, "out": out, "rows": rows, "panels_gflops": panels, "lanes_gflops": lanes,
+                        "openblas_gflops": blas})
     print(f"\nlinear, fp32, bias, {args.threads} threads; sgemm {peak:.1f} GFLOP/s (NumPy's OpenBLAS, same run)")
-    print_table(["in x out", "rows", "small-row GFLOP/s", "OpenBLAS GFLOP/s", "small-row / OpenBLAS",
-                 "default path"], rows_out)
+    print_table(["in x out", "rows", "panels GFLOP/s", "lanes GFLOP/s", "OpenBLAS GFLOP/s", "panels / lanes",
+                 "panels / OpenBLAS", "default path (fp32)"], rows_out)
     if args.json:
         write_json(args.json, threads=args.threads, sgemm_gflops=peak, smallrow_max=info["smallrow_max"],
-                   results=results)
+                   panel_max=info["panel_max"], results=results)
 
 
 def harness_lines(exe, mode, args, shapes):

@@ -5,16 +5,18 @@
  *   linear_threshold THREADS IN OUT ROWS...
  *   linear_threshold --split THREADS IN OUT ROWS...
  *
- * Two CPU backends are made through the module's own factory, one with
- * MARCACHE_SMALLROW_MAX=4096 (every call on the small-row kernel,
- * cpu_smallrow.c) and one with 0 (every call on OpenBLAS through
- * mc_cpu_sgemm, with the bias written first as mc_cpu_linear does), so each
- * path is exactly what the engine runs. The weights are as many
+ * Three CPU backends are made through the module's own factory, with
+ * MARCACHE_SMALLROW_MAX=4096 and the column panels on (every call on the
+ * panel kernel, cpu_panels.c), 4096 with the panels off (the lane kernel,
+ * cpu_smallrow.c), and 0 (every call on OpenBLAS through mc_cpu_sgemm, with
+ * the bias written first as mc_cpu_linear does), so each path is exactly
+ * what the engine runs; every weight is bound (bind_linear) on each, as a
+ * model's is. The weights are as many
  * [OUT, IN] fp32 matrices as make 128 MiB, more than the L3 of the machines
  * at hand, and each timed pass runs x [ROWS, IN] through all of them in turn,
- * so every call reads its W from memory, as the engine's layers do. The two
+ * so every call reads its W from memory, as the engine's layers do. The
  * paths alternate pass by pass; the best of 5 passes each is printed as
- *   ROWS small-row GFLOP/s  OpenBLAS GFLOP/s
+ *   ROWS panels GFLOP/s  lanes GFLOP/s  OpenBLAS GFLOP/s
  * With --split both backends run every call on OpenBLAS (threshold 0), one
  * with MARCACHE_GEMM_SPLIT=rows and one with cols (how mc_cpu_sgemm divides
  * a GEMM between the threads), printed as
@@ -33,11 +35,12 @@ static double seconds(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static mc_backend *make_backend(const char *smallrow_max, const char *gemm_split, int threads) {
+static mc_backend *make_backend(const char *smallrow_max, const char *gemm_split, const char *panels, int threads) {
     mc_err err = {0};
     mc_backend *be = NULL;
     setenv("MARCACHE_SMALLROW_MAX", smallrow_max, 1);
     setenv("MARCACHE_GEMM_SPLIT", gemm_split, 1);
+    setenv("MARCACHE_SMALLROW_PANELS", panels, 1);
     if (mc_backend_cpu_create(&be, threads, &err) != MC_OK) {
         fprintf(stderr, "linear_threshold: the CPU backend: %s\n", err.msg);
         exit(2);
@@ -82,13 +85,26 @@ int main(int argc, char **argv) {
         x[i] = (float)((uint64_t)i * 7919u % 100u) * 1e-2f - 0.5f;
     for (int64_t i = 0; i < out; i++)
         bias[i] = 0.01f * (float)(i % 7);
-    mc_backend *paths[2] = {split_mode ? make_backend("0", "rows", threads) : make_backend("4096", "auto", threads),
-                            split_mode ? make_backend("0", "cols", threads) : make_backend("0", "auto", threads)};
+    const int npaths = split_mode ? 2 : 3;
+    mc_backend *paths[3] = {
+        split_mode ? make_backend("0", "rows", "1", threads) : make_backend("4096", "auto", "1", threads),
+        split_mode ? make_backend("0", "cols", "1", threads) : make_backend("4096", "auto", "0", threads),
+        split_mode ? NULL : make_backend("0", "auto", "1", threads)};
+    /* Every matrix bound as a model's weight is, so the first backend's
+     * small-row calls run on column panels (made at the first call). */
+    for (int p = 0; p < npaths; p++)
+        for (int64_t m = 0; m < nmat; m++) {
+            mc_err err = {0};
+            if (paths[p]->ops->bind_linear(paths[p], w + m * in * out, out, in, &err) != MC_OK) {
+                fprintf(stderr, "linear_threshold: bind_linear: %s\n", err.msg);
+                return 2;
+            }
+        }
     for (int a = 4; a < argc; a++) {
         const int64_t rows = atol(argv[a]);
-        double best[2] = {1e30, 1e30};
-        for (int pass = 0; pass < 10; pass++) {
-            const int p = pass % 2;
+        double best[3] = {1e30, 1e30, 1e30};
+        for (int pass = 0; pass < 5 * npaths; pass++) {
+            const int p = pass % npaths;
             mc_err err = {0};
             const double t0 = seconds();
             for (int64_t m = 0; m < nmat; m++)
@@ -105,11 +121,12 @@ int main(int argc, char **argv) {
             printf("%lld %.2f %.2f %s\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9,
                    mc_cpu_sgemm_splits_rows(threads, rows, out) ? "rows" : "cols");
         else
-            printf("%lld %.2f %.2f\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9);
+            printf("%lld %.2f %.2f %.2f\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9,
+                   flop / best[2] / 1e9);
         fflush(stdout);
     }
-    mc_backend_destroy(paths[0]);
-    mc_backend_destroy(paths[1]);
+    for (int p = 0; p < npaths; p++)
+        mc_backend_destroy(paths[p]);
     free(w);
     free(x);
     free(y);

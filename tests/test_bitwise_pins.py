@@ -40,6 +40,12 @@ Regenerated again for the head's SiLU: x / (1 + e^-x) on mc_expf instead of glib
 MARCACHE_CPU_ISA=avx512 or avx2. LayerNorm's double sums in 8 lanes (b2faba3) moved no
 pin: the commit before it reproduced the SkylakeX table, and db14921 plus that change the
 old Haswell one.
+Regenerated again for issue 23's column panels: a bound fp32 Linear of at most 256 rows runs
+on panels of 32 outputs (csrc/backend/cpu/cpu_panels.c), each output one fma chain over the
+inputs in order, instead of the lane kernel (up to 96 rows) or OpenBLAS (97-256). Every entry
+changed on both platforms; the SkylakeX table is the same with MARCACHE_CPU_ISA=avx512, avx2
+or plain, and with MARCACHE_SMALLROW_PANELS=0 this commit reproduced the old SkylakeX table
+entry for entry (the Haswell one by the same emulation).
 
 Models: the amplified tiny model of the cache reference tests (depth 5, so LazyMAR's
 select layer 3 and MARche's full layers 2 leave layers to prune, seq 256, 100 diffusion
@@ -104,38 +110,38 @@ def _require_pinned_platform():
     return PINS_BY_PLATFORM[key]
 
 SKYLAKEX_PINS = {
-    "tiny/nocache/0": "64fbf28bdc747e4f1158da838ecf3ba48eee64524d41995377aa6b5d9a8c0b62",
-    "tiny/nocache/7": "1ac4fede6da98cac32c8687ed548ec38d7c4ea6d57ab31a7433d4f202891fe79",
-    "tiny/lazymar/0": "feaf1b9cb131f65d94e2b882b226b73e55f17b63535e2607754bb3e3e1281bbe",
-    "tiny/lazymar/7": "8bd54a44b4d407bc473bc37556c7472d428366d2f364f0a78e78e30158fced63",
-    "tiny/lazymar-token/0": "edd7f828dfb1a2c6e9a276af02b52a7e688277c6c6dbab71e604bbe369133c55",
-    "tiny/lazymar-token/7": "352f021de19816c743890ff9d6540979ce198980b8738f9684625ee963c8d2e0",
-    "tiny/lazymar-cond/0": "437659e2a17b013f8d6faab6e659d4c06eef694be6be3292df12beae17fc225f",
-    "tiny/lazymar-cond/7": "e2445bcd2fdc5e0bd4445e78bb7fe5725cdea16d46d9b028b7a6ccfa0619e9d4",
-    "tiny/lazymar-head/0": "f1c94f2a899dabb16a18578f71118ad005267e543c40835f56f5c8a8c81e92bb",
-    "tiny/lazymar-head/7": "234eb0faa26c8acbdf953f2ac6382c31a72a39dc8e3c09894f4442e454a95de7",
-    "tiny/marche/0": "23b7f3da4d70fe4e2141375f063126000edaa7e8b1c637ba24d20a44205d16fd",
-    "tiny/marche/7": "8df44b0e7bd21c772012b23b90e8ab71df51dfb3166aaf2158ee5a78f43aea9b",
-    "tiny/marche-encoder/0": "78baf751f6a8fb2b0c543ed4ba7283d51284a9a1e01a6c72ca3932dbfc21860b",
-    "tiny/marche-encoder/7": "1d4b8bf8969574af278d726c70413aabaf59515f1d39372cfb7eb76afcbd7cc4",
-    "tiny/marche-composed/0": "77cf21d168b6b17ce13c5317855c14b9223376154ef63bb9eab8a8a75c4daf52",
-    "tiny/marche-composed/7": "dc719e551ceafcd9a8d0ed8d9cae20000d402a972ca348cf8a91611260faece2",
-    "digits/nocache/0": "8b506987a6633e92d4ea7e5eb56a2570e7b1351e2b1708b12b1d8725413f0b66",
-    "digits/nocache/7": "918d9ffd012269f13d408a8c355d660c37106c852373719c6ec91bdc005106a6",
-    "digits/lazymar/0": "ad520bf9810a9706bb72575b994a30439c1e48de85490eba1841d6df42c45ad8",
-    "digits/lazymar/7": "ca3e34685e20d753df46d375e38709369e5a5a9efd876c47f8a1e09caed27840",
-    "digits/lazymar-token/0": "5ee90760e6b5c561a64f36b9537b1e0bb1b70d30707fd8e069de25c5d88b7b20",
-    "digits/lazymar-token/7": "96c1b054b32615f0caf8029ea701582ae27a0e7b3d11a64265be6adfe8916d8a",
-    "digits/lazymar-cond/0": "1c740e9d2502f6eeea22d3a32cf2c2ceab74a23d373083842346f7cbbc64b23d",
-    "digits/lazymar-cond/7": "9fd43c3d91b570dc040bf083f736983b5476fa5108321a951b40121cf5e60524",
-    "digits/lazymar-head/0": "d396665f0054cd7c0ad8640979ad4ca022f927da4b9d72e6944c94680c757836",
-    "digits/lazymar-head/7": "d34b658aacb778b851eeb497ec361558edd913b57efd5cd1bdb7fa3074805f79",
-    "digits/marche/0": "b06f10a49d18b1ad1e9d5361043ffec95173f159d6fee9d1cf4468406668de11",
-    "digits/marche/7": "a4c85504e58eabebd87e58d65dab3038db941ef4e7c4bf8d4ad18e49cce00b8f",
-    "digits/marche-encoder/0": "9e1b31d687f8a58858f61efd0fc0a68f9ae71d9ce7c7ba6c3e5fb9bea9178386",
-    "digits/marche-encoder/7": "9a243a22238d4b3610bd685e5b076cfbcb22be92cadeae85ae651f6aecca2343",
-    "digits/marche-composed/0": "066d3b7afdf28354e60a6cba9d1885f0dd11a788ef8303aeb1d965f53b9e750e",
-    "digits/marche-composed/7": "660a8190b272df4d0189d5b1a4a7bc81de98c02e4fc4d15301053d5ba301fb26",
+    "tiny/nocache/0": "c969c36975447c39a980907e8c9a67f3292dd3a36a33808c29a810ef751558c0",
+    "tiny/nocache/7": "0c84df9f0388b55ba82b3078a78736402b0a0186df16c9594fb49305cc003066",
+    "tiny/lazymar/0": "86c8497d6eeec844cbd68ae99168f01f728f5e1c41911a4da5a3ab7cfefe0e49",
+    "tiny/lazymar/7": "bdc739b9409dc5b731cca7fc7140ba11f9ddceea88fd33b37ab6908bd713390b",
+    "tiny/lazymar-token/0": "cfb09d3d9e42b72beedb56069df03e60167f4e786c301076b507ab4b8d5a485c",
+    "tiny/lazymar-token/7": "14d3c6592c9bebb8e35d9be59f472bf78c70fbfadecc31bdb62fe51b42e969b4",
+    "tiny/lazymar-cond/0": "ec71116289d65e825a77bca0661a9bb12e55e716f538bb81d81defb1ead7e035",
+    "tiny/lazymar-cond/7": "5eb5eb508fdfa989e15c9f6be2d65fce0620a15a9e6cca2453ea2391bbc63025",
+    "tiny/lazymar-head/0": "3994686e3929b57ed5652531adb58f5c811ad1b65fb0a36fe960289fe51df85d",
+    "tiny/lazymar-head/7": "a1049d19f5e896021d72c90fb89d6c07b939f20b4d8c582822187673955fa68e",
+    "tiny/marche/0": "f98ca1f7eb4c9624ab4f9c37bb090242ce050f2f7356465d074f979c19230789",
+    "tiny/marche/7": "1c157652a3ad7fe4de2453039eb3f206051bab81f452f4cf9acbd5b2940fd367",
+    "tiny/marche-encoder/0": "6eb28dc86c304ea6047440ea3edbdc2e1792b3980295ab782cb451980ef553dd",
+    "tiny/marche-encoder/7": "a30c16a2e5a0df69a0f93ffab9e3e619e047718ba55ead3b371c4eb51d3b64dd",
+    "tiny/marche-composed/0": "8bb0ad4bdde58a921e649218812b36a602f40350592a047da076c1b11a13d682",
+    "tiny/marche-composed/7": "090c7688d24d14b84f58092b53961a612fe5a46a1484f74b7d73cbceb27f1ea9",
+    "digits/nocache/0": "04db397135c51b6d7151ac2d3ac78cb5f20347f1763c619408ed3f2e96ea5859",
+    "digits/nocache/7": "41cc2294f4374d25678ea5ddd503a8f13296869047dc9933dc2f933e30da4e8e",
+    "digits/lazymar/0": "7eae6e89caf17c8e8c7931be1ff089a6a5027bf0cde39c9a3ada3d72f8cde00e",
+    "digits/lazymar/7": "616c9a91796e62cb5ad0e087c40dd52b1adbee521d10c6ab90e976342ccd551d",
+    "digits/lazymar-token/0": "3f93f273c2fd530e7f2ebb67d496e94d743a7cd29a33e7bbfda1296970bb708a",
+    "digits/lazymar-token/7": "890e9a2b2a55731866c77150a1285f3aa39a5ea24c1ebdf60d27f0b296d3ff83",
+    "digits/lazymar-cond/0": "d9c976d78aa58858dccbc5a70727f2eaa2b45c988890ba7cefa1ff2e7376d734",
+    "digits/lazymar-cond/7": "aae702abe6604f91b53f702ae6fcca97aa46980fdb527d42209e9f647538cbb7",
+    "digits/lazymar-head/0": "d27d54feff609b72ef946fe80d45a008c07cdefc94d9b87d298fde2f5f31e436",
+    "digits/lazymar-head/7": "93c5a6c1c17d2779d2ec552ba6c7d45462e5e8a7e5cad02abab9e0b30006df25",
+    "digits/marche/0": "f06ab8880749b44e0977b34c5402cea2ab27145f7082b641d0bb5a02700ee7c5",
+    "digits/marche/7": "199470a850d7abcb43752c39a1b00631826f043f10a953814162912bc973d407",
+    "digits/marche-encoder/0": "9e37c32bf7400b19c72b555b258abe519f2290374b708a691d1622213428fc0e",
+    "digits/marche-encoder/7": "1a23057f96ae2e13c719e60acfa19f80f01eed433a8158634aca7b4c626f5e5c",
+    "digits/marche-composed/0": "9a1581edc7de637addae135b5d5a86c671d6a7b366f9fa1fe313e53911462956",
+    "digits/marche-composed/7": "17c0942c9b7b240c4a5f69c4648798a59083f50c3aeaf103370e5fac7c02c3ff",
 }
 
 HASWELL_PINS = {

@@ -1,10 +1,17 @@
-"""The CPU backend's small-row linear (csrc/backend/cpu/cpu_smallrow.c, issue 23).
+"""The CPU backend's small-row linear (csrc/backend/cpu/cpu_smallrow.c and cpu_panels.c,
+issue 23).
 
-`linear` with at most MARCACHE_SMALLROW_MAX rows (default 96) runs a kernel that streams
-W in nn.Linear layout once per call, outputs split across the OpenMP team, with bias,
-activation and the residual applied as the sums are stored. Its instruction set
-(MARCACHE_CPU_ISA: avx512, avx2 or the plain reference loop) is read when a backend is
-made; run_op makes one per call, so each call here sees the environment it sets.
+`linear` with few rows runs one of two kernels instead of OpenBLAS, outputs split across
+the OpenMP team, with bias, activation and the residual applied as the sums are stored:
+  - a bound fp32 weight (a model's, and run_op's W, which is bound the same way), up to
+    256 rows: its column panels (cpu_panels.c), each output one fma chain over the inputs
+    in order. The wtype "fp32" below;
+  - 16-bit weights, and fp32 ones with MARCACHE_SMALLROW_PANELS=0, up to 96 rows: the lane
+    kernel that streams W in nn.Linear layout (16 fma lanes and a fixed tree). The wtype
+    "fp32-lanes" below is fp32 with the panels off.
+MARCACHE_SMALLROW_MAX sets both thresholds. The instruction set (MARCACHE_CPU_ISA:
+avx512, avx2 or the plain reference loop) is read when a backend is made; run_op makes
+one per call, so each call here sees the environment it sets.
 
 What is held:
   - every ISA the CPU runs, each weight type, against the float64 reference at the op
@@ -13,10 +20,10 @@ What is held:
     ones), over row counts around the vector and tile sizes and the threshold, widths
     that are not multiples of 16, bias or none, each activation, beta 0 / 1, strided x
     and y, 1 and 2 threads;
-  - the documented summation order exactly: a NumPy emulation of it (16 fma lanes, the
-    fixed tree, then bias and residual) equals every ISA's result bit for bit, so a fast
-    kernel that drops, repeats or reorders a term fails even where the tolerance would
-    not notice;
+  - the documented summation orders exactly: a NumPy emulation of each (one fma chain per
+    output for panels; 16 fma lanes and the fixed tree for the lane kernel; then bias and
+    residual) equals every ISA's result bit for bit, so a fast kernel that drops, repeats
+    or reorders a term fails even where the tolerance would not notice;
   - the ISAs agree with each other bit for bit, and a row's bits do not depend on how
     many rows the call has or on the thread count;
   - bad MARCACHE_CPU_ISA / MARCACHE_SMALLROW_MAX values are a ValueError naming the
@@ -41,7 +48,8 @@ F32 = np.float32
 SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
 # Every ISA this CPU runs (plain always): no parametrisation here ever needs a skip.
 ISAS = tuple(isa for isa in ("plain", "avx2", "avx512") if isa in SUPPORTED)
-WTYPES = ("fp32", "bf16", "fp16")
+# "fp32-lanes": fp32 weights with MARCACHE_SMALLROW_PANELS=0 (the lane kernel).
+WTYPES = ("fp32", "fp32-lanes", "bf16", "fp16")
 BOUND_16BIT = {"bf16": 1e-2, "fp16": 2e-3}  # test_ops.py's bounds of 16-bit operands
 # The AVX-512 kernel's narrow path runs calls of up to this many rows (SR_NARROW_ROWS in
 # cpu_smallrow.c), its blocked path more (with MARCACHE_SMALLROW_MAX above it).
@@ -60,11 +68,17 @@ def env(**values):
         yield
 
 
+def stored_wtype(wtype):
+    """The weight type of a WTYPES entry ("fp32-lanes" is fp32)."""
+    return "fp32" if wtype == "fp32-lanes" else wtype
+
+
 def run_linear(isa, x, w, bias=None, y=None, act="none", beta=0.0, wtype="fp32", threads=0,
                smallrow_max=None, backend="cpu"):
-    with env(MARCACHE_CPU_ISA=isa, MARCACHE_SMALLROW_MAX=smallrow_max):
+    with env(MARCACHE_CPU_ISA=isa, MARCACHE_SMALLROW_MAX=smallrow_max,
+             MARCACHE_SMALLROW_PANELS=0 if wtype == "fp32-lanes" else None):
         return _C.run_op(backend, "linear", (x, w, bias, y),
-                         {"act": act, "beta": float(beta), "wtype": wtype, "threads": threads})
+                         {"act": act, "beta": float(beta), "wtype": stored_wtype(wtype), "threads": threads})
 
 
 def column_slice(rng, rows, cols, before=3, after=5, scale=1.0):
@@ -87,7 +101,7 @@ def make_inputs(seed, rows, inp, out, bias=True, with_y=False, strided=False, w_
 def check_against_reference(got, x, w, b, y, act, beta, wtype):
     """test_ops.py's comparison: every element within tol * max |reference|."""
     tol = 2e-5 if x.shape[1] >= 512 else 1e-5
-    if wtype == "fp32":
+    if stored_wtype(wtype) == "fp32":
         want = ref.linear(x, w, b, act=act, beta=beta, y=y)
         assert_close(got, want, rtol=0.0, atol=scaled_atol(want, tol), what="linear vs float64")
         return
@@ -137,13 +151,37 @@ def test_matches_the_float64_reference(isa, wtype, case):
     check_against_reference(got, x, w, b, y, act, beta, wtype)
 
 
+def finish(s, b, y, beta):
+    """The epilogue: + bias, then y + that when beta is 1."""
+    if b is not None:
+        s = s + b
+    if beta != 0.0:
+        s = y + s
+    return s.astype(F32)
+
+
+def emulate_panel_order(x, w, b, y, beta):
+    """The column panels' arithmetic in NumPy: each output accumulates x[i] * w[i] for
+    i = 0, 1, ... into one float32 from 0, one rounding per step (an fma, emulated as in
+    emulate_order), then the epilogue."""
+    xd, wd = x.astype(np.float64), w.astype(np.float64)
+    acc = np.zeros((x.shape[0], w.shape[0]), F32)
+    for i in range(x.shape[1]):
+        acc = (xd[:, i, None] * wd[None, :, i] + acc.astype(np.float64)).astype(F32)
+    return finish(acc, b, y, beta)
+
+
 def emulate_order(x, w, b, y, beta, wtype):
-    """The small-row kernel's arithmetic in NumPy: x rounded and W widened for a 16-bit
-    type; lane l = i % 16 of each output accumulates x[i] * w[i] in increasing i with one
-    rounding per step (an fma: the product of two floats is exact in float64 and one
-    float64 add then rounded to float32 equals it unless the float64 sum lands on a
-    float32 tie, which these seeded inputs do not reach); the lanes summed as
-    l + 8, l + 4, l + 2, l + 1; then + bias, then y + that when beta is 1."""
+    """The order the wtype's kernel computes: fp32's panels (emulate_panel_order), or the
+    lane kernel's arithmetic in NumPy: x rounded and W widened for a 16-bit type; lane
+    l = i % 16 of each output accumulates x[i] * w[i] in increasing i with one rounding
+    per step (an fma: the product of two floats is exact in float64 and one float64 add
+    then rounded to float32 equals it unless the float64 sum lands on a float32 tie,
+    which these seeded inputs do not reach); the lanes summed as l + 8, l + 4, l + 2,
+    l + 1; then the epilogue."""
+    if wtype == "fp32":
+        return emulate_panel_order(x, w, b, y, beta)
+    wtype = stored_wtype(wtype)
     xr = ref.round_to_wtype(x, wtype).astype(np.float64)
     wr = ref.round_to_wtype(w, wtype).astype(np.float64)
     rows, inp = xr.shape
@@ -157,11 +195,7 @@ def emulate_order(x, w, b, y, beta, wtype):
     b8 = acc[..., :8] + acc[..., 8:]
     c4 = b8[..., :4] + b8[..., 4:]
     s = (c4[..., 0] + c4[..., 2]) + (c4[..., 1] + c4[..., 3])
-    if b is not None:
-        s = s + b
-    if beta != 0.0:
-        s = y + s
-    return s.astype(F32)
+    return finish(s, b, y, beta)
 
 
 ORDER_CASES = [(1, 17, 9, True, 0.0), (3, 100, 24, False, 1.0), (8, 256, 40, True, 1.0), (9, 300, 33, True, 0.0),
@@ -213,19 +247,22 @@ def test_isas_agree_bit_for_bit_and_with_openblas_within_tolerance(wtype):
 
 
 @pytest.mark.skipif(SUPPORTED[0] == "plain", reason="without a vector kernel the path is off by default")
-def test_the_default_threshold_is_96_rows():
-    # 96 rows (95% of MAR-B's head rows at batch 8) run the kernel, bit for bit its order;
-    # 97 go to OpenBLAS: another order, within the op test's tolerance.
+@pytest.mark.parametrize("wtype, threshold", [("fp32", 256), ("fp32-lanes", 96), ("bf16", 96)])
+def test_the_default_thresholds_are_256_rows_for_panels_and_96_for_lanes(wtype, threshold):
+    # At the threshold the kernel runs, bit for bit its order; one row more goes to
+    # OpenBLAS: another order, within the op test's tolerance. 1000 inputs: with fewer than
+    # OpenBLAS's K block (a few hundred) its SkylakeX kernel is one fma chain per output in
+    # input order too, the panels' bits, and the switch would not show.
     with env(MARCACHE_SMALLROW_MAX=None):
-        for rows in (96, 97):
-            x, w, b, _ = make_inputs(rows, rows, 300, 40)
-            got = run_linear(SUPPORTED[0], x, w, b, threads=2)
-            order = emulate_order(x, w, b, None, 0.0, "fp32")
-            if rows == 96:
+        for rows in (threshold, threshold + 1):
+            x, w, b, _ = make_inputs(rows, rows, 1000, 40)
+            got = run_linear(SUPPORTED[0], x, w, b, wtype=wtype, threads=2)
+            order = emulate_order(x, w, b, None, 0.0, wtype)
+            if rows == threshold:
                 np.testing.assert_array_equal(got, order)
             else:
-                assert not np.array_equal(got, order), "97 rows did not leave the small-row kernel"
-                check_against_reference(got, x, w, b, None, "none", 0.0, "fp32")
+                assert not np.array_equal(got, order), f"{rows} rows did not leave the small-row kernel"
+                check_against_reference(got, x, w, b, None, "none", 0.0, wtype)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="benchmarks/bench_linear.py builds its harness with gcc")
@@ -255,13 +292,14 @@ def test_the_threshold_benchmark_builds_and_times_both_paths(tmp_path):
     assert all(float(v) > 0 for r in rows for v in r[1:3])
 
 
+@pytest.mark.parametrize("wtype", ("fp32", "bf16"))
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_rows_bits_do_not_depend_on_the_row_count_or_threads(isa):
+def test_a_rows_bits_do_not_depend_on_the_row_count_or_threads(isa, wtype):
     x, w, b, _ = make_inputs(11, 9, 200, 300)
-    full = run_linear(isa, x, w, b, act="gelu", wtype="bf16", threads=2)
-    np.testing.assert_array_equal(full, run_linear(isa, x, w, b, act="gelu", wtype="bf16", threads=1))
+    full = run_linear(isa, x, w, b, act="gelu", wtype=wtype, threads=2)
+    np.testing.assert_array_equal(full, run_linear(isa, x, w, b, act="gelu", wtype=wtype, threads=1))
     for r in (0, 4, 8):
-        alone = run_linear(isa, np.ascontiguousarray(x[r:r + 1]), w, b, act="gelu", wtype="bf16", threads=2)
+        alone = run_linear(isa, np.ascontiguousarray(x[r:r + 1]), w, b, act="gelu", wtype=wtype, threads=2)
         np.testing.assert_array_equal(alone[0], full[r], err_msg=f"row {r}")
 
 
@@ -309,11 +347,14 @@ def test_x_is_rounded_to_the_weight_type_as_mc_wtype_round_does(wtype):
             np.testing.assert_array_equal(got, want, err_msg=f"{isa}, MARCACHE_SMALLROW_MAX={smallrow_max}")
 
 
-def test_the_guard_backend_runs_the_same_kernel():
+@pytest.mark.parametrize("wtype", ("fp32", "bf16"))
+def test_the_guard_backend_runs_the_same_kernel(wtype):
+    # fp32: the guard passes the bound weight to its inner CPU backend, which makes the
+    # panels inside the op (the only time the guard's memory is readable).
     x, w, b, y = make_inputs(6, 8, 100, 70, with_y=True, strided=True)
     for isa in ISAS:
-        got = run_linear(isa, x, w, b, y, beta=1.0, wtype="bf16", threads=2, backend="guard")
-        np.testing.assert_array_equal(got, emulate_order(x, w, b, y, 1.0, "bf16"))
+        got = run_linear(isa, x, w, b, y, beta=1.0, wtype=wtype, threads=2, backend="guard")
+        np.testing.assert_array_equal(got, emulate_order(x, w, b, y, 1.0, wtype))
 
 
 @pytest.mark.parametrize("name, value, fragment", [
@@ -323,6 +364,7 @@ def test_the_guard_backend_runs_the_same_kernel():
     ("MARCACHE_SMALLROW_MAX", "4097", "MARCACHE_SMALLROW_MAX='4097'"),
     ("MARCACHE_SMALLROW_MAX", "8 ", "MARCACHE_SMALLROW_MAX='8 '"),
     ("MARCACHE_HUGE_PAGES", "yes", "MARCACHE_HUGE_PAGES='yes': expected 0 or 1"),
+    ("MARCACHE_SMALLROW_PANELS", "on", "MARCACHE_SMALLROW_PANELS='on': expected 0 or 1"),
     ("MARCACHE_GEMM_SPLIT", "columns", "MARCACHE_GEMM_SPLIT='columns': expected auto, rows or cols"),
 ])
 def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragment):
@@ -332,6 +374,7 @@ def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragm
             _C.run_op("cpu", "linear", (x, w), {})
         assert _C.build_info()["cpu_isa"].startswith("invalid: " + name)
         assert _C.build_info()["smallrow_max"] == -1 and _C.build_info()["huge_pages"] == -1
+        assert _C.build_info()["panel_max"] == -1 and _C.build_info()["smallrow_panels"] == -1
         assert _C.build_info()["gemm_split"] == "invalid"
 
 
@@ -341,6 +384,9 @@ def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
     # The best set is the default; without a vector kernel the path is off by default.
     assert info["cpu_isa"] == SUPPORTED[0] and SUPPORTED[-1] == "plain"
     assert info["smallrow_max"] == (0 if SUPPORTED[0] == "plain" else 96)
+    assert info["panel_max"] == (0 if SUPPORTED[0] == "plain" else 256) and info["smallrow_panels"] == 1
+    with env(MARCACHE_SMALLROW_PANELS="0"):
+        assert _C.build_info()["smallrow_panels"] == 0 and _C.build_info()["panel_max"] == 0
     x, w, _, _ = make_inputs(0, 2, 3, 4)
     for isa in ("avx512", "avx2"):
         with env(MARCACHE_CPU_ISA=isa):
@@ -352,6 +398,7 @@ def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
                     _C.run_op("cpu", "linear", (x, w), {})
     with env(MARCACHE_CPU_ISA="auto", MARCACHE_SMALLROW_MAX="0"):
         assert _C.build_info()["cpu_isa"] == SUPPORTED[0] and _C.build_info()["smallrow_max"] == 0
+        assert _C.build_info()["panel_max"] == 0
 
 
 # Above the small-row threshold a linear is an OpenBLAS sgemm that mc_cpu_sgemm splits across
@@ -370,13 +417,60 @@ SPLITS_KEEP_BITS = _C.build_info()["blas_core"] == "SkylakeX"
 def test_the_gemm_split_keeps_the_result(rows, inp, out):
     x, w, b, _ = make_inputs(rows * 7 + out, rows, inp, out)
     with env(MARCACHE_GEMM_SPLIT=None):
-        serial = run_linear(None, x, w, b, threads=1)
+        serial = run_linear(None, x, w, b, threads=1, smallrow_max=0)
     check_against_reference(serial, x, w, b, None, "none", 0.0, "fp32")
     for split in ("auto", "rows", "cols"):
         with env(MARCACHE_GEMM_SPLIT=split):
             assert _C.build_info()["gemm_split"] == split
-            got = run_linear(None, x, w, b, threads=2)
+            got = run_linear(None, x, w, b, threads=2, smallrow_max=0)
         if SPLITS_KEEP_BITS:
             np.testing.assert_array_equal(got, serial, err_msg=f"MARCACHE_GEMM_SPLIT={split}, {rows} rows")
         else:
             check_against_reference(got, x, w, b, None, "none", 0.0, "fp32")
+
+
+# Row counts around the panel kernels' register blocks (AVX-512: 14 rows, AVX2: 6; a call
+# is cut into blocks as even as possible: 15 = 8 + 7, 29 = 10 + 10 + 9), the head's 8-14
+# and the panel threshold; outputs that no panel width divides (a partial last panel).
+PANEL_ROWS = [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 96, 255, 256]
+
+
+@pytest.mark.parametrize("rows", PANEL_ROWS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_panels_compute_one_fma_chain_per_output_for_every_block_shape(isa, rows):
+    for inp, out, threads in ((37, 29, 1), (160, 97, 2), (64, 320, 2)):
+        x, w, b, y = make_inputs(rows * 31 + inp, rows, inp, out, True, True, strided=True)
+        got = run_linear(isa, x, w, b, y, beta=1.0, threads=threads)
+        np.testing.assert_array_equal(got, emulate_panel_order(x, w, b, y, 1.0), err_msg=f"{inp} x {out}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_panels_match_the_float64_reference_on_the_heads_shapes(isa):
+    # MAR-B's head: 1024 inputs, 1024 and 3072 outputs (adaLN), at its batch-1 row counts.
+    for rows, out, act in ((8, 3072, "none"), (12, 1024, "silu"), (14, 1024, "gelu")):
+        x, w, b, _ = make_inputs(rows + out, rows, 1024, out)
+        got = run_linear(isa, x, w, b, act=act, threads=2)
+        check_against_reference(got, x, w, b, None, act, 0.0, "fp32")
+
+
+def test_a_released_weights_panels_are_not_reused():
+    # run_op binds W, runs the op and releases W; the next call's W of the same shape
+    # (another matrix, often at the same address) must get panels of its own, not the
+    # released weight's (cpu_release forgets the weight with its panels).
+    results = []
+    for seed in range(4):
+        x, w, b, _ = make_inputs(seed, 8, 256, 96)
+        got = run_linear(None, x, w, b, threads=2)
+        np.testing.assert_array_equal(got, emulate_panel_order(x, w, b, None, 0.0), err_msg=f"seed {seed}")
+        results.append(got)
+    assert not np.array_equal(results[0], results[1])
+
+
+def test_panels_and_lanes_agree_within_the_op_tolerance():
+    # The two orders differ in the last bits (another summation), not beyond the tolerance.
+    x, w, b, _ = make_inputs(9, 12, 1024, 1024)
+    panels = run_linear(None, x, w, b, threads=2)
+    lanes = run_linear(None, x, w, b, wtype="fp32-lanes", threads=2)
+    assert not np.array_equal(panels, lanes), "MARCACHE_SMALLROW_PANELS=0 did not change the kernel"
+    check_against_reference(panels, x, w, b, None, "none", 0.0, "fp32")
+    check_against_reference(lanes, x, w, b, None, "none", 0.0, "fp32")

@@ -134,6 +134,13 @@ struct mc_ops {
     mc_status (*upload)(mc_backend *be, void *dst, const void *host_src, size_t bytes, mc_err *err);
     mc_status (*download)(mc_backend *be, void *host_dst, const void *src, size_t bytes, mc_err *err);
     mc_status (*copy)(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err);
+    /* Optional (NULL: nothing to do). `w` is a whole buffer from alloc just
+     * filled with a `linear` weight [out, in] of linear_wtype (mc_bind). The
+     * backend may keep a copy in a layout of its own for some calls (the
+     * CPU: column panels for the small-row kernel, made at the weight's
+     * first small-row call); it drops the copy when w is released, or when
+     * upload or copy write into w. Ops never write into a bound weight. */
+    mc_status (*bind_linear)(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err);
 
     /* The compute ops, one member per entry of ops_list.h (their contracts
      * are written there). A backend without an op holds a stand-in in its

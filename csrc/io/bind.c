@@ -200,6 +200,7 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
         return mc_fail(ld->err, MC_ERR_INTERNAL, "%s: key '%s': a linear weight needs a 2-D shape, got %d-D", path,
                        name, ndim);
     mc_backend *be = ld->backend;
+    const int linear_weight = layout == MC_BIND_LINEAR;
     const int to_16bit = layout == MC_BIND_LINEAR && be->linear_wtype != MC_WTYPE_F32;
     if (layout == MC_BIND_LINEAR && !to_16bit)
         layout = MC_BIND_AS_IS;
@@ -220,7 +221,9 @@ mc_status mc_bind(mc_loader *ld, const char *name, int ndim, const int64_t *shap
     void *buffer = be->ops->alloc(be, alloc_bytes, what, ld->err);
     if (buffer == NULL)
         return ld->err->status;
-    const mc_status filled = stream_tensor(ld, t, layout, to_16bit, buffer);
+    mc_status filled = stream_tensor(ld, t, layout, to_16bit, buffer);
+    if (filled == MC_OK && linear_weight && be->ops->bind_linear != NULL)
+        filled = be->ops->bind_linear(be, buffer, shape[0], shape[1], ld->err);
     return keep_buffer(ld, buffer, alloc_bytes, filled, out);
 }
 

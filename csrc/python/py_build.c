@@ -95,7 +95,9 @@ static int add_cuda_info(PyObject *info) {
  * instruction set a CPU backend made now uses (MARCACHE_CPU_ISA honoured;
  * a bad value is reported in the string, since build_info must not raise),
  * the sets this CPU supports, smallrow_max, the row threshold
- * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment), huge_pages
+ * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment), smallrow_panels
+ * (MARCACHE_SMALLROW_PANELS) and panel_max (bound fp32 weights' column-panel
+ * threshold; 0 with panels off), huge_pages
  * and gemm_split (MARCACHE_GEMM_SPLIT; "invalid" with a bad environment). */
 static int add_cpu_isa_info(PyObject *info) {
     mc_err err = {0};
@@ -108,6 +110,8 @@ static int add_cpu_isa_info(PyObject *info) {
     } else {
         isa_s = PyUnicode_FromFormat("invalid: %s", err.msg);
         cfg.smallrow_max = -1;
+        cfg.panel_max = -1;
+        cfg.panels = -1;
         cfg.huge_pages = -1;
     }
     PyObject *supported = PyList_New(0);
@@ -125,9 +129,10 @@ static int add_cpu_isa_info(PyObject *info) {
         Py_XDECREF(supported);
         return -1;
     }
-    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i,s:s}", "cpu_isa", isa_s, "cpu_isa_supported", supported,
-                                      "smallrow_max", cfg.smallrow_max, "huge_pages", cfg.huge_pages, "gemm_split",
-                                      gemm_split);
+    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i,s:i,s:i,s:s}", "cpu_isa", isa_s, "cpu_isa_supported",
+                                      supported, "smallrow_max", cfg.smallrow_max, "smallrow_panels", cfg.panels,
+                                      "panel_max", cfg.panels == 0 ? 0 : cfg.panel_max, "huge_pages",
+                                      cfg.huge_pages, "gemm_split", gemm_split);
     if (entries == NULL)
         return -1;
     int rc = PyDict_Update(info, entries);

@@ -868,6 +868,17 @@ static int repack_conv_weight(op_call *call, operand *w) {
     return replace_weight(call, w, (PyArrayObject *)packed);
 }
 
+/* W bound as a model's weight is (mc_bind calls bind_linear), then the op:
+ * the path a model's linear takes (the CPU's column panels for fp32). The
+ * call's release of W forgets it again. */
+static mc_status bind_and_run_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                                     const void *w, const float *bias, int64_t out, mc_act act, float beta,
+                                     float *y, int64_t ldy, mc_err *err) {
+    if (be->ops->bind_linear != NULL)
+        MC_TRY(be->ops->bind_linear(be, w, out, in, err));
+    return be->ops->linear(be, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, err);
+}
+
 static PyObject *run_linear(op_call *call) {
     static const char *const keys[] = {"act", "beta", "wtype", NULL};
     mc_act act;
@@ -894,8 +905,9 @@ static PyObject *run_linear(op_call *call) {
         output_operand(call, &y, "y", 2, (int64_t[]){rows, out}) < 0)
         return NULL;
     call->backend->linear_wtype = wtype;
-    RETURN_OP(call, y, linear, x->device, operand_ld(x), rows, width, w->device,
-              DEVICE_OR_NULL(bias), out, act, beta, y->device, operand_ld(y));
+    RETURN_RUN(call, y,
+               bind_and_run_linear(call->backend, x->device, operand_ld(x), rows, width, w->device,
+                                   DEVICE_OR_NULL(bias), out, act, beta, y->device, operand_ld(y), &call->err));
 }
 
 static PyObject *run_layernorm(op_call *call) {

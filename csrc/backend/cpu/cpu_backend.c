@@ -17,6 +17,7 @@ typedef struct cpu_state {
     mc_cpu_config config; /* the environment as read when the backend was made */
     float *scratch[MC_CPU_SCRATCH_SLOTS];
     size_t scratch_floats[MC_CPU_SCRATCH_SLOTS];
+    mc_cpu_panel_set panels; /* the bound fp32 linear weights (cpu_panels.c) */
 } cpu_state;
 
 static enum CBLAS_TRANSPOSE to_cblas(int trans) { return trans ? CblasTrans : CblasNoTrans; }
@@ -116,7 +117,26 @@ mc_cpu_isa mc_cpu_isa_of(mc_backend *be) { return ((cpu_state *)be->impl)->confi
 
 int mc_cpu_smallrow_max(mc_backend *be) { return ((cpu_state *)be->impl)->config.smallrow_max; }
 
+int mc_cpu_panel_max(mc_backend *be) {
+    const cpu_state *st = be->impl;
+    return st->config.panels ? st->config.panel_max : 0;
+}
+
 mc_cpu_gemm_split mc_cpu_gemm_split_of(mc_backend *be) { return ((cpu_state *)be->impl)->config.gemm_split; }
+
+mc_cpu_panel_set *mc_cpu_panel_set_of(mc_backend *be) { return &((cpu_state *)be->impl)->panels; }
+
+int mc_cpu_panels_enabled(mc_backend *be) { return ((cpu_state *)be->impl)->config.panels; }
+
+int mc_cpu_huge_pages(mc_backend *be) { return ((cpu_state *)be->impl)->config.huge_pages; }
+
+mc_status mc_cpu_bind_linear(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err) {
+    cpu_state *st = be->impl;
+    if (mc_cpu_panel_max(be) == 0 || be->linear_wtype != MC_WTYPE_F32)
+        return MC_OK;
+    /* The plain kernel reads W in place: noted, no panels made. */
+    return mc_cpu_panel_set_add(be, &st->panels, w, out, in, st->config.isa != MC_CPU_ISA_PLAIN, err);
+}
 
 float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what, mc_err *err) {
     cpu_state *st = be->impl;
@@ -172,15 +192,16 @@ static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *e
 }
 
 static void cpu_release(mc_backend *be, void *ptr) {
-    (void)be;
+    mc_cpu_panel_set_forget(mc_cpu_panel_set_of(be), ptr);
     mc_aligned_free(ptr);
 }
 
 static mc_status cpu_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
-    (void)be;
     (void)err;
-    if (bytes)
+    if (bytes) {
         memcpy(dst, src, bytes);
+        mc_cpu_panel_set_stale(mc_cpu_panel_set_of(be), dst, bytes);
+    }
     return MC_OK;
 }
 
@@ -201,6 +222,7 @@ static void cpu_destroy(mc_backend *be) {
     cpu_state *st = be->impl;
     for (int i = 0; i < MC_CPU_SCRATCH_SLOTS; i++)
         mc_aligned_free(st->scratch[i]);
+    mc_cpu_panel_set_free(&st->panels);
     free(st);
     free(be);
 }
@@ -214,6 +236,7 @@ static const mc_ops cpu_ops = {
     .upload = cpu_upload,
     .download = cpu_download,
     .copy = cpu_copy,
+    .bind_linear = mc_cpu_bind_linear,
     /* every op of the list: mc_cpu_<op> */
 #define MC_OP(name, where, params, args, flops) .name = mc_cpu_##name,
 #include "../ops_list.h"

@@ -89,19 +89,46 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         return MC_OK;
     if (beta != 0.0f && act != MC_ACT_NONE)
         return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
-    if (rows <= mc_cpu_smallrow_max(be)) {
-        /* Few rows: bound by reading W (cpu_smallrow.c). x is copied once
-         * (rounded to a 16-bit weight type, padded to whole vectors). */
-        const int64_t ldxp = mc_smallrow_ldxp(in);
+    /* Both small-row paths size the packed x for the most rows either takes,
+     * not for this call's rows: the scratch then reaches its size at the
+     * first call of each input width, and a later run with other row counts
+     * (another CFG, batch or scale) never grows it inside the loop
+     * (test_var_generate checks). */
+    const int panel_max = mc_cpu_panel_max(be), smallrow_max = mc_cpu_smallrow_max(be);
+    const int64_t ldxp = mc_smallrow_ldxp(in);
+    const size_t x_floats = (size_t)((panel_max > smallrow_max ? panel_max : smallrow_max) * ldxp);
+    if (rows <= panel_max) {
+        /* A bound fp32 weight: its column panels (cpu_panels.c). The plain
+         * ISA reads W itself; the others get the panels, made at the
+         * weight's first call here. x is transposed into register blocks. */
+        const mc_cpu_isa isa = mc_cpu_isa_of(be);
+        const float *panels = NULL;
+        const int panel_order = mc_cpu_panels_for(be, w, out, in, isa != MC_CPU_ISA_PLAIN, &panels, err);
+        if (panel_order < 0)
+            return err->status;
+        if (panel_order) {
+            float *xt = NULL;
+            if (isa != MC_CPU_ISA_PLAIN) {
+                xt = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, x_floats, "the small-row linear's transposed input", err);
+                if (xt == NULL)
+                    return err->status;
+                mc_cpu_panel_pack_x(x, ldx, rows, in, mc_cpu_panel_block_rows(isa), xt);
+            }
+            const mc_panel_job job = {.x = x, .ldx = ldx, .xt = xt, .w = w, .panels = panels, .rows = rows,
+                                      .in = in, .out = out, .bias = bias, .act = act, .beta = beta, .y = y,
+                                      .ldy = ldy};
+            mc_cpu_panel_run(isa, mc_cpu_threads(be), &job);
+            return MC_OK;
+        }
+    }
+    if (rows <= smallrow_max) {
+        /* The lane kernel (cpu_smallrow.c): 16-bit weights, and fp32 ones
+         * without panels. x is copied once (rounded to a 16-bit weight type,
+         * padded to whole vectors). */
         static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
         const float *xp = &no_inputs;
         if (ldxp > 0) {
-            /* Sized for the most rows this path takes, not for this call's rows:
-             * the scratch then reaches its size at the first call of each input
-             * width, and a later run with other row counts (another CFG, batch or
-             * scale) never grows it inside the loop (test_var_generate checks). */
-            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, (size_t)(mc_cpu_smallrow_max(be) * ldxp),
-                                           "the small-row linear's packed input", err);
+            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, x_floats, "the small-row linear's packed input", err);
             if (packed == NULL)
                 return err->status;
             mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, ldxp, packed);

@@ -100,6 +100,12 @@ typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_
  * where OpenBLAS starts to win for fp32 weights on MAR-B's shapes (measured,
  * cpu_smallrow.c); 95% of the head's rows at batch 8. */
 #define MC_SMALLROW_MAX_DEFAULT 96
+/* linear runs a bound fp32 weight's column panels (cpu_panels.c) for rows <=
+ * this (MARCACHE_SMALLROW_MAX sets both thresholds). 256: measured
+ * (bench_linear.py, MAR-B's five shapes, 2 threads, weights beyond L3) the
+ * panels ran 193-208 GFLOP/s from 64 to 256 rows, OpenBLAS 137-199, never
+ * ahead of them; above 256 no measurement was made. */
+#define MC_PANEL_MAX_DEFAULT 256
 /* The lanes of the small-row summation order (one AVX-512 vector, two AVX2
  * ones): x rows are padded to a multiple of it. */
 #define MC_SMALLROW_LANES 16
@@ -115,9 +121,11 @@ int mc_cpu_isa_from_name(const char *name, mc_cpu_isa *isa);
  * model's kernels and memory never change under it. */
 typedef struct mc_cpu_config {
     mc_cpu_isa isa;   /* MARCACHE_CPU_ISA: the small-row kernels' instruction set */
-    int smallrow_max; /* MARCACHE_SMALLROW_MAX: linear's small-row threshold */
+    int smallrow_max; /* MARCACHE_SMALLROW_MAX: linear's small-row threshold (the lane kernel) */
+    int panel_max;    /* the same for column panels (MARCACHE_SMALLROW_MAX sets both) */
     int huge_pages;   /* MARCACHE_HUGE_PAGES: buffers of 2 MiB or more asked for huge pages */
     mc_cpu_gemm_split gemm_split; /* MARCACHE_GEMM_SPLIT: auto, rows or cols */
+    int panels;       /* MARCACHE_SMALLROW_PANELS: fp32 weights' column panels (cpu_panels.c) */
 } mc_cpu_config;
 /* The configuration a CPU backend made now uses (the environment read,
  * checked: a bad value is MC_ERR_VALUE naming the variable). */
@@ -138,6 +146,7 @@ void mc_cpu_silu_array(mc_cpu_isa isa, const float *x, float *y, int64_t n);
  * place, in one order for every isa. */
 void mc_cpu_softmax_rows(mc_cpu_isa isa, float *s, int64_t rows, int64_t cols, int64_t ld);
 int mc_cpu_smallrow_max(mc_backend *be);
+int mc_cpu_panel_max(mc_backend *be);
 mc_cpu_gemm_split mc_cpu_gemm_split_of(mc_backend *be);
 
 /* One small-row linear: y = beta * y + act(xp W^T + bias), the contract of
@@ -174,6 +183,80 @@ void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j);
 float mc_smallrow_reduce16(const float lane[MC_SMALLROW_LANES]);
 void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0, int no, const float *sums,
                        int ld_sums);
+
+/* ---- Column panels: fp32 linear weights laid out for few rows (cpu_panels.c). ---- */
+
+/* Outputs per panel: a panel holds W^T's columns [32 p, 32 p + 32) as
+ * [in][32] floats (zeros past out), so the kernel reads one sequential
+ * stream and each x value it broadcasts meets 32 outputs. */
+#define MC_PANEL_COLS 32
+
+/* A bound fp32 linear weight and, from its first small-row call, its panels. */
+typedef struct mc_cpu_panel_weight {
+    const char *w;  /* the buffer bind_linear was given: [out, in] floats */
+    int64_t out, in;
+    float *panels;  /* [ceil(out / 32)][in][32]; NULL after a write into w, until the next call */
+    size_t bytes;   /* of panels */
+} mc_cpu_panel_weight;
+
+typedef struct mc_cpu_panel_set {
+    mc_cpu_panel_weight *items;
+    int64_t count, capacity;
+} mc_cpu_panel_set;
+
+/* The backend's set, and its configuration (cpu_backend.c). */
+mc_cpu_panel_set *mc_cpu_panel_set_of(mc_backend *be);
+int mc_cpu_panels_enabled(mc_backend *be);
+int mc_cpu_huge_pages(mc_backend *be);
+/* The CPU backend's bind_linear (ops.h): notes an fp32 weight and makes its
+ * panels (nothing when panels are off, their threshold is 0 or the weights
+ * are 16-bit; no panels for the plain ISA, whose kernel reads W). */
+mc_status mc_cpu_bind_linear(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err);
+/* Notes the weight and, with `make`, makes its panels now (at load: a first
+ * call inside the generation loop would pay for them, ~1 s for MAR-B's
+ * transformer). */
+mc_status mc_cpu_panel_set_add(mc_backend *be, mc_cpu_panel_set *set, const void *w, int64_t out, int64_t in,
+                               int make, mc_err *err);
+/* A buffer was released: forget the weight bound there. */
+void mc_cpu_panel_set_forget(mc_cpu_panel_set *set, const void *buffer);
+/* [dst, dst + bytes) was written: drop the panels of every weight it touches
+ * (they are made again at the next small-row call). */
+void mc_cpu_panel_set_stale(mc_cpu_panel_set *set, const void *dst, size_t bytes);
+void mc_cpu_panel_set_free(mc_cpu_panel_set *set);
+/* Whether the fp32 weight `w` of a linear call ([out, in]: a bound weight or
+ * rows of one starting at a multiple of 32) runs in panel order: 1 with
+ * *panels its first panel (made again now if `make` and a write dropped
+ * them; NULL when !make), 0 when it does not (not bound, another width,
+ * rows not aligned, panels off); -1 with err set when making them failed. */
+int mc_cpu_panels_for(mc_backend *be, const void *w, int64_t out, int64_t in, int make, const float **panels,
+                      mc_err *err);
+/* Rows per register block of isa's panel kernel (the plain one takes any). */
+int mc_cpu_panel_block_rows(mc_cpu_isa isa);
+/* x rows (stride ldx) transposed into register blocks for the panel kernel:
+ * rows split into ceil(rows / block_rows) blocks as even as possible (the
+ * first ones one row longer), block b of R rows starting at row r0 stored
+ * at xt + r0 * in as [in][R]. */
+void mc_cpu_panel_pack_x(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows, float *xt);
+/* y = beta * y + act(x W^T + bias) with fp32 panels: output (r, o) is
+ * fma(x[r][in - 1], W[o][in - 1], ... fma(x[r][0], W[o][0], 0)), the
+ * inputs in increasing order, one rounding each, then + bias, act, + y; the
+ * same bits on every ISA, thread count and row count. `xt` from
+ * mc_cpu_panel_pack_x with mc_cpu_panel_block_rows(isa); the plain kernel
+ * reads x and w instead (so it checks the packing too). */
+typedef struct mc_panel_job {
+    const float *x;
+    int64_t ldx;
+    const float *xt;
+    const float *w;      /* [out, in] */
+    const float *panels; /* panel 0 = outputs [0, 32) of this call */
+    int64_t rows, in, out;
+    const float *bias;
+    mc_act act;
+    float beta;
+    float *y;
+    int64_t ldy;
+} mc_panel_job;
+void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j);
 
 /* Plain-loop reference of mc_cpu_conv2d_ex (same contract), for tests. */
 mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,

@@ -11,8 +11,11 @@
  * call (tiles of SR_O W rows, in blocks of 256 inputs that stay in L1 while
  * every block of SR_RMAX x rows runs over them; cpu_smallrow_simd.h), and
  * bias, activation and the residual are applied as each tile's sums are
- * stored, so y is written once. No pre-packed layout was needed: W is read
- * in place, so nothing changes at load.
+ * stored, so y is written once. W is read in place, so nothing changes at
+ * load. Since then a bound fp32 weight runs its column panels instead
+ * (cpu_panels.c: at 8-14 rows x's reloads here crowded the weight stream);
+ * this kernel serves 16-bit weights, which it widens in registers, and fp32
+ * with MARCACHE_SMALLROW_PANELS=0 or an unbound weight.
  *
  * The threshold (MC_SMALLROW_MAX_DEFAULT, 96 rows): measured with
  * benchmarks/bench_linear.py (both paths through the backend, two threads,
@@ -116,6 +119,7 @@ mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
     /* Where no vector kernel runs, the plain loop is a reference, not a
      * faster path: OpenBLAS keeps every linear unless a threshold is asked for. */
     cfg->smallrow_max = mc_cpu_isa_best() == MC_CPU_ISA_PLAIN ? 0 : MC_SMALLROW_MAX_DEFAULT;
+    cfg->panel_max = mc_cpu_isa_best() == MC_CPU_ISA_PLAIN ? 0 : MC_PANEL_MAX_DEFAULT;
     const char *max_text = getenv("MARCACHE_SMALLROW_MAX");
     if (max_text != NULL && *max_text != '\0') {
         char *end = NULL;
@@ -124,6 +128,7 @@ mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_SMALLROW_MAX='%.64s': expected an integer in [0, %d]",
                            max_text, MC_SMALLROW_MAX_LIMIT);
         cfg->smallrow_max = (int)v;
+        cfg->panel_max = (int)v;
     }
     cfg->gemm_split = MC_CPU_GEMM_SPLIT_AUTO;
     const char *split = getenv("MARCACHE_GEMM_SPLIT");
@@ -138,6 +143,13 @@ mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
             }
         if (!found)
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_GEMM_SPLIT='%.64s': expected auto, rows or cols", split);
+    }
+    cfg->panels = 1;
+    const char *panels = getenv("MARCACHE_SMALLROW_PANELS");
+    if (panels != NULL && *panels != '\0') {
+        if (strcmp(panels, "0") != 0 && strcmp(panels, "1") != 0)
+            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_SMALLROW_PANELS='%.64s': expected 0 or 1", panels);
+        cfg->panels = panels[0] == '1';
     }
     cfg->huge_pages = 1;
     const char *huge = getenv("MARCACHE_HUGE_PAGES");

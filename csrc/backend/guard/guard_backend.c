@@ -154,6 +154,7 @@ static void guard_release(mc_backend *be, void *ptr) {
         else
             hi = mid;
     }
+    mc_cpu_panel_set_forget(mc_cpu_panel_set_of(gs->cpu), ptr);
     if (lo < gs->block_count && gs->blocks[lo].ptr == (char *)ptr && gs->blocks[lo].bytes > 0) {
         (void)madvise(ptr, gs->blocks[lo].bytes, MADV_DONTNEED);
         gs->blocks[lo].bytes = 0; /* freed: a second release is ignored */
@@ -172,10 +173,21 @@ static void guard_destroy(mc_backend *be) {
 
 static mc_status guard_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
     MC_TRY(guard_open(be, err));
-    if (bytes)
+    if (bytes) {
         memmove(dst, src, bytes);
+        mc_cpu_panel_set_stale(mc_cpu_panel_set_of(guard_st(be)->cpu), dst, bytes);
+    }
     guard_close(be);
     return MC_OK;
+}
+
+/* The inner CPU backend keeps the panels; it reads the weight to make
+ * them, inside the open range. */
+static mc_status guard_bind_linear(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err) {
+    MC_TRY(guard_open(be, err));
+    const mc_status st = mc_cpu_bind_linear(guard_st(be)->cpu, w, out, in, err);
+    guard_close(be);
+    return st;
 }
 
 static mc_status guard_upload(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
@@ -280,6 +292,7 @@ static const mc_ops guard_ops = {
     .upload = guard_upload,
     .download = guard_download,
     .copy = guard_copy,
+    .bind_linear = guard_bind_linear,
 #define MC_OP(name, where, params, args, flops) .name = guard_##name,
 #include "../ops_list.h"
     .capture_begin = guard_capture_begin,

@@ -1,0 +1,384 @@
+/* Column panels: the small-row linear for fp32 weights (issue 23).
+ *
+ * Why: the lane kernel (cpu_smallrow.c) reads W in nn.Linear layout, so an
+ * x vector meets only the few W rows of a tile (5), and at 8-14 rows x's
+ * lines, reloaded from L2 for every tile, outnumber the weight lines the
+ * tile streams from memory: they take the miss slots the weight stream
+ * needs (benchmarks/results/head-kernel-probes-2026-11-28.md), and the head
+ * ran at 58-65% of either roofline. Here a weight also exists as panels of
+ * 32 outputs, [in][32] floats each: per input the kernel loads 32 weights (2
+ * vectors) and broadcasts one x value per row, so x costs 4 bytes per row
+ * against 128 of weights, and a panel is one sequential stream for the
+ * hardware prefetcher. Scratch loops of this form on the 2-core EPYC (two
+ * threads, weights beyond L3) read 34.8 GB/s at 8 rows and ran 197-209
+ * GFLOP/s at 12-14 rows (the lane kernel: 29.8 GB/s, 134 and ~140).
+ *
+ * The cost is memory: a panel copy beside the [out, in] weight (OpenBLAS
+ * keeps using that one for more rows, and views into fused weights such as
+ * the q rows of qkv need it), made when the weight is bound (the backend's
+ * bind_linear, at load), so an fp32 model's Linears take twice their bytes
+ * on the CPU (MAR-B: +0.8 GB). Made at a weight's first small-row call
+ * instead, they cost ~1 s inside the first generate of a MAR-B model (the
+ * transformer's 680 MB written in the loop). MARCACHE_SMALLROW_PANELS=0
+ * turns them off (the lane kernel then serves fp32 too); 16-bit weights
+ * always use the lane kernel, which widens them in registers and so already
+ * streams half the bytes.
+ *
+ * The order: output (r, o) accumulates x[r][i] * W[o][i] for i = 0, 1, ...
+ * with one fma each into one float (from +0), then the epilogue of the lane
+ * kernel (+ bias, activation, + y). Blocking rows or splitting outputs never
+ * changes it, so AVX-512, AVX2 and the plain loop agree bit for bit however
+ * a call is cut, and a row's result does not depend on the call's other
+ * rows. It is another order than the lane kernel's and OpenBLAS's, within
+ * the same float32 error. */
+#define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE are not in POSIX */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "cpu_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define MC_PANEL_X86 1
+#include <immintrin.h>
+#else
+#define MC_PANEL_X86 0
+#endif
+
+/* As in cpu_smallrow.c: below this many multiply-adds one thread. */
+#define MC_PANEL_PARALLEL_MIN_MACS (256 * 1024)
+/* Panels of at least this size start on a 2 MiB boundary with huge pages
+ * advised (cpu_backend.c's MC_HUGE_PAGE_BYTES, the same reason). */
+#define MC_PANEL_HUGE_BYTES ((size_t)2 << 20)
+/* Rows per register block: AVX-512: 14 x 2 accumulators + 2 weight vectors
+ * + 1 broadcast = 31 of 32 registers; AVX2: half a panel (16 outputs) at a
+ * time, 6 x 2 + 2 + 1 = 15 of 16. */
+#define MC_PANEL_ROWS_AVX512 14
+#define MC_PANEL_ROWS_AVX2 6
+
+/* ---- the set of bound weights ---- */
+
+static mc_status make_panels(mc_backend *be, mc_cpu_panel_weight *pw, mc_err *err);
+
+mc_status mc_cpu_panel_set_add(mc_backend *be, mc_cpu_panel_set *set, const void *w, int64_t out, int64_t in,
+                               int make, mc_err *err) {
+    if (out <= 0 || in <= 0)
+        return MC_OK; /* nothing a panel could hold: the lane kernel takes it */
+    if (set->count == set->capacity) {
+        const int64_t fresh = set->capacity ? 2 * set->capacity : 64;
+        mc_cpu_panel_weight *moved = realloc(set->items, (size_t)fresh * sizeof *moved);
+        if (moved == NULL)
+            return mc_fail_nomem_n(err, (size_t)fresh, sizeof *moved, "the CPU backend's list of linear weights");
+        set->items = moved;
+        set->capacity = fresh;
+    }
+    mc_cpu_panel_weight *pw = &set->items[set->count];
+    *pw = (mc_cpu_panel_weight){.w = w, .out = out, .in = in};
+    if (make)
+        MC_TRY(make_panels(be, pw, err));
+    set->count++;
+    return MC_OK;
+}
+
+static void drop_panels(mc_cpu_panel_weight *pw) {
+    free(pw->panels);
+    pw->panels = NULL;
+    pw->bytes = 0;
+}
+
+void mc_cpu_panel_set_forget(mc_cpu_panel_set *set, const void *buffer) {
+    for (int64_t i = 0; i < set->count; i++)
+        if (set->items[i].w == buffer) {
+            drop_panels(&set->items[i]);
+            set->items[i] = set->items[--set->count];
+            return;
+        }
+}
+
+void mc_cpu_panel_set_stale(mc_cpu_panel_set *set, const void *dst, size_t bytes) {
+    const char *lo = dst, *hi = (const char *)dst + bytes;
+    for (int64_t i = 0; i < set->count; i++) {
+        mc_cpu_panel_weight *pw = &set->items[i];
+        const char *end = pw->w + (size_t)(pw->out * pw->in) * sizeof(float);
+        if (pw->panels != NULL && lo < end && pw->w < hi)
+            drop_panels(pw);
+    }
+}
+
+void mc_cpu_panel_set_free(mc_cpu_panel_set *set) {
+    for (int64_t i = 0; i < set->count; i++)
+        drop_panels(&set->items[i]);
+    free(set->items);
+    memset(set, 0, sizeof *set);
+}
+
+/* W [out, in] into panels: panel p, input i, column c = W[32 p + c][i]. Each
+ * W row is read once in order; a panel (in x 128 bytes) is written in L2. */
+static void pack_panels(const float *w, int64_t out, int64_t in, float *panels, int threads) {
+    const int64_t npanels = (out + MC_PANEL_COLS - 1) / MC_PANEL_COLS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && omp_get_level() == 0)
+    for (int64_t p = 0; p < npanels; p++) {
+        float *dst = panels + p * in * MC_PANEL_COLS;
+        for (int c = 0; c < MC_PANEL_COLS; c++) {
+            const int64_t o = p * MC_PANEL_COLS + c;
+            for (int64_t i = 0; i < in; i++)
+                dst[i * MC_PANEL_COLS + c] = o < out ? w[o * in + i] : 0.0f;
+        }
+    }
+}
+
+static mc_status make_panels(mc_backend *be, mc_cpu_panel_weight *pw, mc_err *err) {
+    const int64_t npanels = (pw->out + MC_PANEL_COLS - 1) / MC_PANEL_COLS;
+    size_t bytes;
+    if (mc_mul_overflows((size_t)(npanels * pw->in), MC_PANEL_COLS * sizeof(float), &bytes))
+        return mc_fail_nomem_n(err, (size_t)(npanels * pw->in), MC_PANEL_COLS * sizeof(float),
+                               "the column panels of a %lld x %lld linear weight", (long long)pw->out,
+                               (long long)pw->in);
+    void *p = NULL;
+    const size_t align = bytes >= MC_PANEL_HUGE_BYTES ? MC_PANEL_HUGE_BYTES : 64;
+    if (posix_memalign(&p, align, bytes ? bytes : 64) != 0)
+        return mc_fail_nomem(err, bytes, "the column panels of a %lld x %lld linear weight (MARCACHE_SMALLROW_PANELS=0 "
+                                         "runs without them)",
+                             (long long)pw->out, (long long)pw->in);
+#ifdef MADV_HUGEPAGE
+    if (align == MC_PANEL_HUGE_BYTES && mc_cpu_huge_pages(be))
+        (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    pack_panels((const float *)pw->w, pw->out, pw->in, p, mc_cpu_threads(be));
+    pw->panels = p;
+    pw->bytes = bytes;
+    return MC_OK;
+}
+
+int mc_cpu_panels_for(mc_backend *be, const void *w, int64_t out, int64_t in, int make, const float **panels,
+                      mc_err *err) {
+    *panels = NULL;
+    if (!mc_cpu_panels_enabled(be) || be->linear_wtype != MC_WTYPE_F32 || in <= 0)
+        return 0;
+    mc_cpu_panel_set *set = mc_cpu_panel_set_of(be);
+    const char *view = w;
+    for (int64_t i = 0; i < set->count; i++) {
+        mc_cpu_panel_weight *pw = &set->items[i];
+        const size_t row_bytes = (size_t)pw->in * sizeof(float);
+        if (pw->in != in || view < pw->w || view >= pw->w + (size_t)pw->out * row_bytes)
+            continue;
+        const size_t offset = (size_t)(view - pw->w);
+        const int64_t row0 = (int64_t)(offset / row_bytes);
+        if (offset % row_bytes != 0 || row0 % MC_PANEL_COLS != 0 || row0 + out > pw->out)
+            return 0; /* a view the panels do not line up with: the lane kernel */
+        if (!make)
+            return 1;
+        if (pw->panels == NULL && make_panels(be, pw, err) != MC_OK)
+            return -1;
+        *panels = pw->panels + (row0 / MC_PANEL_COLS) * in * MC_PANEL_COLS;
+        return 1;
+    }
+    return 0;
+}
+
+int mc_cpu_panel_block_rows(mc_cpu_isa isa) {
+    switch (isa) {
+    case MC_CPU_ISA_AVX512: return MC_PANEL_ROWS_AVX512;
+    case MC_CPU_ISA_AVX2: return MC_PANEL_ROWS_AVX2;
+    case MC_CPU_ISA_PLAIN: break;
+    }
+    return MC_PANEL_ROWS_AVX512;
+}
+
+/* Block b of `blocks` over `rows`: its first row and row count. */
+static int64_t block_rows(int64_t rows, int64_t blocks, int64_t b, int *count) {
+    const int64_t base = rows / blocks, extra = rows % blocks;
+    *count = (int)(base + (b < extra));
+    return b * base + (b < extra ? b : extra);
+}
+
+void mc_cpu_panel_pack_x(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows_max, float *xt) {
+    const int64_t blocks = (rows + block_rows_max - 1) / block_rows_max;
+    for (int64_t b = 0; b < blocks; b++) {
+        int nr;
+        const int64_t r0 = block_rows(rows, blocks, b, &nr);
+        float *dst = xt + r0 * in;
+        for (int r = 0; r < nr; r++) {
+            const float *src = x + (r0 + r) * ldx;
+            for (int64_t i = 0; i < in; i++)
+                dst[i * nr + r] = src[i];
+        }
+    }
+}
+
+/* ---- the kernels: outputs [o_begin, o_end) of every row ---- */
+
+/* The epilogue's view of a panel job (mc_smallrow_store reads y, ldy, bias,
+ * act, beta). */
+static mc_smallrow_job store_job(const mc_panel_job *j) {
+    return (mc_smallrow_job){.wt = MC_WTYPE_F32, .rows = j->rows, .in = j->in, .out = j->out, .bias = j->bias,
+                             .act = j->act, .beta = j->beta, .y = j->y, .ldy = j->ldy};
+}
+
+/* The reference form: each (row, output) on its own, from x and W as given. */
+static void panel_plain(const mc_panel_job *j, int64_t o_begin, int64_t o_end) {
+    const mc_smallrow_job s = store_job(j);
+    for (int64_t o = o_begin; o < o_end; o++)
+        for (int64_t r = 0; r < j->rows; r++) {
+            const float *xr = j->x + r * j->ldx, *wo = j->w + o * j->in;
+            float acc = 0.0f;
+            for (int64_t i = 0; i < j->in; i++)
+                acc = fmaf(xr[i], wo[i], acc);
+            mc_smallrow_store(&s, r, 1, o, 1, &acc, 1);
+        }
+}
+
+#if MC_PANEL_X86
+
+/* The loop over a panel for one register block, written once per ISA:
+ * PANEL_BLOCK(isa, vec, VW, load, bcast, fma, store, MAXR) defines
+ * panel_<isa>_rows(pw, xt, in, R, sums) for R <= MAXR rows (xt: the block,
+ * [in][R]), 2 * VW outputs from pw (stride 32 floats) into sums (stride 32),
+ * and panel_<isa>_block, which instantiates it for each constant R so the
+ * accumulators live in registers. */
+#define PANEL_BLOCK(isa, vec, VW, load, bcast, fma, store, zero, MAXR)                                      \
+    static inline __attribute__((always_inline)) void panel_##isa##_rows(const float *pw, const float *xt, \
+                                                                        int64_t in, const int R, float *sums) { \
+        vec acc[MAXR][2];                                                                                  \
+        for (int r = 0; r < R; r++)                                                                        \
+            acc[r][0] = acc[r][1] = zero();                                                                \
+        for (int64_t i = 0; i < in; i++) {                                                                 \
+            const vec w0 = load(pw + i * MC_PANEL_COLS), w1 = load(pw + i * MC_PANEL_COLS + VW);           \
+            const float *xi = xt + i * R;                                                                  \
+            for (int r = 0; r < R; r++) {                                                                  \
+                const vec xb = bcast(xi + r);                                                              \
+                acc[r][0] = fma(w0, xb, acc[r][0]);                                                        \
+                acc[r][1] = fma(w1, xb, acc[r][1]);                                                        \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < R; r++) {                                                                      \
+            store(sums + r * MC_PANEL_COLS, acc[r][0]);                                                    \
+            store(sums + r * MC_PANEL_COLS + VW, acc[r][1]);                                               \
+        }                                                                                                  \
+    }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+static inline __attribute__((always_inline)) __m512 p512_load(const float *p) { return _mm512_load_ps(p); }
+static inline __attribute__((always_inline)) __m512 p512_bcast(const float *p) { return _mm512_set1_ps(*p); }
+static inline __attribute__((always_inline)) __m512 p512_fma(__m512 w, __m512 x, __m512 acc) {
+    return _mm512_fmadd_ps(w, x, acc);
+}
+static inline __attribute__((always_inline)) void p512_store(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) __m512 p512_zero(void) { return _mm512_setzero_ps(); }
+PANEL_BLOCK(avx512, __m512, 16, p512_load, p512_bcast, p512_fma, p512_store, p512_zero, MC_PANEL_ROWS_AVX512)
+
+/* One register block over a whole panel (32 outputs). */
+static void panel_avx512_block(const float *pw, const float *xt, int64_t in, int R, float *sums) {
+    switch (R) {
+#define PANEL_CASE(n) \
+    case n: panel_avx512_rows(pw, xt, in, n, sums); break;
+        PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7)
+        PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12) PANEL_CASE(13) PANEL_CASE(14)
+#undef PANEL_CASE
+    default: break;
+    }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __attribute__((always_inline)) __m256 p256_load(const float *p) { return _mm256_load_ps(p); }
+static inline __attribute__((always_inline)) __m256 p256_bcast(const float *p) { return _mm256_broadcast_ss(p); }
+static inline __attribute__((always_inline)) __m256 p256_fma(__m256 w, __m256 x, __m256 acc) {
+    return _mm256_fmadd_ps(w, x, acc);
+}
+static inline __attribute__((always_inline)) void p256_store(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) __m256 p256_zero(void) { return _mm256_setzero_ps(); }
+PANEL_BLOCK(avx2, __m256, 8, p256_load, p256_bcast, p256_fma, p256_store, p256_zero, MC_PANEL_ROWS_AVX2)
+
+/* One register block over a whole panel: its two halves of 16 outputs (the
+ * second reads the panel from L2). */
+static void panel_avx2_block(const float *pw, const float *xt, int64_t in, int R, float *sums) {
+    for (int half = 0; half < 2; half++) {
+        const float *ph = pw + half * 16;
+        float *sh = sums + half * 16;
+        switch (R) {
+#define PANEL_CASE(n) \
+    case n: panel_avx2_rows(ph, xt, in, n, sh); break;
+            PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
+#undef PANEL_CASE
+        default: break;
+        }
+    }
+}
+#pragma GCC pop_options
+
+typedef void (*panel_block_fn)(const float *pw, const float *xt, int64_t in, int R, float *sums);
+
+/* Outputs [o_begin, o_end) (o_begin a multiple of 32) with `block`: panel
+ * by panel, every register block of rows over it (the first streams the
+ * panel from memory, the others find it in L2), each block's sums stored
+ * through the epilogue. */
+static void panel_vector(panel_block_fn block, int block_rows_max, const mc_panel_job *j, int64_t o_begin,
+                         int64_t o_end) {
+    const mc_smallrow_job s = store_job(j);
+    const int64_t blocks = (j->rows + block_rows_max - 1) / block_rows_max;
+    _Alignas(64) float sums[MC_PANEL_ROWS_AVX512 * MC_PANEL_COLS];
+    for (int64_t o0 = o_begin; o0 < o_end; o0 += MC_PANEL_COLS) {
+        const float *pw = j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS;
+        const int no = (int)(o_end - o0 < MC_PANEL_COLS ? o_end - o0 : MC_PANEL_COLS);
+        for (int64_t b = 0; b < blocks; b++) {
+            int nr;
+            const int64_t r0 = block_rows(j->rows, blocks, b, &nr);
+            block(pw, j->xt + r0 * j->in, j->in, nr, sums);
+            mc_smallrow_store(&s, r0, nr, o0, no, sums, MC_PANEL_COLS);
+        }
+    }
+}
+
+#endif /* MC_PANEL_X86 */
+
+/* Outputs [begin, end) of every row with isa's kernel, then GELU or SiLU
+ * over them in vectors (as cpu_smallrow.c's run_slice: the same bits). */
+static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, int64_t end) {
+    const int vector_act = j->act == MC_ACT_GELU || j->act == MC_ACT_SILU;
+    mc_panel_job k = *j;
+    if (vector_act)
+        k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
+#if MC_PANEL_X86
+    if (isa == MC_CPU_ISA_AVX512)
+        panel_vector(panel_avx512_block, MC_PANEL_ROWS_AVX512, &k, begin, end);
+    else if (isa == MC_CPU_ISA_AVX2)
+        panel_vector(panel_avx2_block, MC_PANEL_ROWS_AVX2, &k, begin, end);
+    else
+#endif
+        panel_plain(&k, begin, end);
+    if (!vector_act)
+        return;
+    for (int64_t r = 0; r < j->rows; r++) {
+        float *yr = j->y + r * j->ldy + begin;
+        if (j->act == MC_ACT_GELU)
+            mc_cpu_gelu_erf_array(isa, yr, yr, end - begin);
+        else
+            mc_cpu_silu_array(isa, yr, yr, end - begin);
+    }
+}
+
+void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j) {
+    if (j->rows == 0 || j->out == 0)
+        return;
+    if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_PANEL_PARALLEL_MIN_MACS)
+        threads = 1;
+    if (threads <= 1) {
+        panel_slice(isa, j, 0, j->out);
+        return;
+    }
+    /* Each thread's outputs: whole panels, one contiguous run of them. */
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = (j->out + nt - 1) / nt;
+        per = (per + MC_PANEL_COLS - 1) / MC_PANEL_COLS * MC_PANEL_COLS;
+        const int64_t begin = (int64_t)t * per, end = begin + per < j->out ? begin + per : j->out;
+        if (begin < end)
+            panel_slice(isa, j, begin, end);
+    }
+}
