@@ -178,6 +178,18 @@ void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t ro
 /* Runs the job with `isa`'s kernel, outputs split across `threads` (one
  * parallel region; serial inside another region or for small jobs). */
 void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j);
+/* Whether mc_cpu_slice_act applies act (GELU, SiLU: the kernels then store
+ * with MC_ACT_NONE and leave it to that). */
+int mc_cpu_slice_act_is_vector(mc_act act);
+/* GELU or SiLU over outputs [begin, end) of `rows` rows of y (stride ldy), in
+ * isa's vectors, right after a small-row kernel wrote them (still in L1/L2):
+ * the bits of the scalar mc_gelu_erf / mc_silu, which the store's epilogue
+ * would apply one element at a time (GELU: 18x the AVX-512 form's time).
+ * Other activations: nothing. */
+void mc_cpu_slice_act(mc_cpu_isa isa, mc_act act, float *y, int64_t ldy, int64_t rows, int64_t begin, int64_t end);
+/* Thread t of nt's share [begin, *end) of `total` outputs: contiguous
+ * slices of whole multiples of `align` (empty for a thread past the end). */
+int64_t mc_cpu_thread_slice(int64_t total, int t, int nt, int64_t align, int64_t *end);
 /* The kernels' shared pieces: the fixed 16-lane summation tree, and the
  * epilogue (bias, activation, residual) storing nr x no sums. */
 float mc_smallrow_reduce16(const float lane[MC_SMALLROW_LANES]);

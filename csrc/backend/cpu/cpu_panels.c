@@ -337,11 +337,10 @@ static void panel_vector(panel_block_fn block, int block_rows_max, const mc_pane
 #endif /* MC_PANEL_X86 */
 
 /* Outputs [begin, end) of every row with isa's kernel, then GELU or SiLU
- * over them in vectors (as cpu_smallrow.c's run_slice: the same bits). */
+ * over them in vectors (mc_cpu_slice_act, as the lane kernel does). */
 static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, int64_t end) {
-    const int vector_act = j->act == MC_ACT_GELU || j->act == MC_ACT_SILU;
     mc_panel_job k = *j;
-    if (vector_act)
+    if (mc_cpu_slice_act_is_vector(j->act))
         k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
 #if MC_PANEL_X86
     if (isa == MC_CPU_ISA_AVX512)
@@ -351,15 +350,7 @@ static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, in
     else
 #endif
         panel_plain(&k, begin, end);
-    if (!vector_act)
-        return;
-    for (int64_t r = 0; r < j->rows; r++) {
-        float *yr = j->y + r * j->ldy + begin;
-        if (j->act == MC_ACT_GELU)
-            mc_cpu_gelu_erf_array(isa, yr, yr, end - begin);
-        else
-            mc_cpu_silu_array(isa, yr, yr, end - begin);
-    }
+    mc_cpu_slice_act(isa, j->act, j->y, j->ldy, j->rows, begin, end);
 }
 
 void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j) {
@@ -374,10 +365,9 @@ void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j) {
     /* Each thread's outputs: whole panels, one contiguous run of them. */
 #pragma omp parallel num_threads(threads)
     {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t per = (j->out + nt - 1) / nt;
-        per = (per + MC_PANEL_COLS - 1) / MC_PANEL_COLS * MC_PANEL_COLS;
-        const int64_t begin = (int64_t)t * per, end = begin + per < j->out ? begin + per : j->out;
+        int64_t end;
+        const int64_t begin =
+            mc_cpu_thread_slice(j->out, omp_get_thread_num(), omp_get_num_threads(), MC_PANEL_COLS, &end);
         if (begin < end)
             panel_slice(isa, j, begin, end);
     }

@@ -400,25 +400,36 @@ void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t ro
     }
 }
 
-/* Outputs [begin, end) of every row: the kernel, then GELU or SiLU over the
- * slice it just wrote (still in L1/L2), in the ISA's vectors: the store's
- * scalar epilogue would give the same bits one element at a time (GELU: 18x
- * the AVX-512 form's time). */
-static void run_slice(smallrow_kernel kernel, mc_cpu_isa isa, const mc_smallrow_job *j, int64_t begin, int64_t end) {
-    const int vector_act = j->act == MC_ACT_GELU || j->act == MC_ACT_SILU;
-    mc_smallrow_job k = *j;
-    if (vector_act)
-        k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
-    kernel(&k, begin, end);
-    if (!vector_act)
+int mc_cpu_slice_act_is_vector(mc_act act) { return act == MC_ACT_GELU || act == MC_ACT_SILU; }
+
+void mc_cpu_slice_act(mc_cpu_isa isa, mc_act act, float *y, int64_t ldy, int64_t rows, int64_t begin, int64_t end) {
+    if (!mc_cpu_slice_act_is_vector(act))
         return;
-    for (int64_t r = 0; r < j->rows; r++) {
-        float *yr = j->y + r * j->ldy + begin;
-        if (j->act == MC_ACT_GELU)
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * ldy + begin;
+        if (act == MC_ACT_GELU)
             mc_cpu_gelu_erf_array(isa, yr, yr, end - begin);
         else
             mc_cpu_silu_array(isa, yr, yr, end - begin);
     }
+}
+
+int64_t mc_cpu_thread_slice(int64_t total, int t, int nt, int64_t align, int64_t *end) {
+    int64_t per = (total + nt - 1) / nt;
+    per = (per + align - 1) / align * align;
+    const int64_t begin = (int64_t)t * per < total ? (int64_t)t * per : total;
+    *end = begin + per < total ? begin + per : total;
+    return begin;
+}
+
+/* Outputs [begin, end) of every row: the kernel, then GELU or SiLU over the
+ * slice it just wrote (mc_cpu_slice_act). */
+static void run_slice(smallrow_kernel kernel, mc_cpu_isa isa, const mc_smallrow_job *j, int64_t begin, int64_t end) {
+    mc_smallrow_job k = *j;
+    if (mc_cpu_slice_act_is_vector(j->act))
+        k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
+    kernel(&k, begin, end);
+    mc_cpu_slice_act(isa, j->act, j->y, j->ldy, j->rows, begin, end);
 }
 
 void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j) {
@@ -435,10 +446,9 @@ void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j) 
      * contiguous slice, so it streams its own W rows once. */
 #pragma omp parallel num_threads(threads)
     {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t per = (j->out + nt - 1) / nt;
-        per = (per + MC_SMALLROW_SLICE_ALIGN - 1) / MC_SMALLROW_SLICE_ALIGN * MC_SMALLROW_SLICE_ALIGN;
-        const int64_t begin = (int64_t)t * per, end = begin + per < j->out ? begin + per : j->out;
+        int64_t end;
+        const int64_t begin =
+            mc_cpu_thread_slice(j->out, omp_get_thread_num(), omp_get_num_threads(), MC_SMALLROW_SLICE_ALIGN, &end);
         if (begin < end)
             run_slice(kernel, isa, j, begin, end);
     }
