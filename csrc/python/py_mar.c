@@ -444,7 +444,10 @@ static PyMethodDef mar_methods[] = {
 static PyGetSetDef mar_getset[] = {
     MCPY_GETTER_ENTRY(mar, config, "hyper-parameters read from the checkpoint"),
     MCPY_GETTER_ENTRY(mar, num_params, "number of parameters"),
-    MCPY_GETTER_ENTRY(mar, weight_bytes, "bytes of backend memory the loaded weights and load-time constants hold"),
+    MCPY_GETTER_ENTRY(mar, weight_bytes,
+                      "bytes of backend memory the loaded weights and load-time constants hold (on the CPU, "
+                      "fp32 Linear weights also have column panels of about their size, not counted here: "
+                      "build_info()['smallrow_panels'])"),
     MCPY_BACKEND_COUNTER_GETSETS,
     MCPY_GETTER_ENTRY(mar, timesteps, "original diffusion timesteps tau_j seen by the head"),
     {NULL, NULL, NULL, NULL, NULL},

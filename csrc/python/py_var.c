@@ -499,7 +499,10 @@ static PyMethodDef var_methods[] = {
 static PyGetSetDef var_getset[] = {
     MCPY_GETTER_ENTRY(var, config, "hyper-parameters read from the checkpoint"),
     MCPY_GETTER_ENTRY(var, num_params, "number of parameters (buffers excluded)"),
-    MCPY_GETTER_ENTRY(var, weight_bytes, "bytes of backend memory the loaded weights and load-time constants hold"),
+    MCPY_GETTER_ENTRY(var, weight_bytes,
+                      "bytes of backend memory the loaded weights and load-time constants hold (on the CPU, "
+                      "fp32 Linear weights also have column panels of about their size, not counted here: "
+                      "build_info()['smallrow_panels'])"),
     MCPY_BACKEND_COUNTER_GETSETS,
     MCPY_GETTER_ENTRY(var, device, "the backend the model runs on"),
     {NULL, NULL, NULL, NULL, NULL},
