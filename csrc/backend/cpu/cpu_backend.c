@@ -126,10 +126,6 @@ mc_cpu_gemm_split mc_cpu_gemm_split_of(mc_backend *be) { return ((cpu_state *)be
 
 mc_cpu_panel_set *mc_cpu_panel_set_of(mc_backend *be) { return &((cpu_state *)be->impl)->panels; }
 
-int mc_cpu_panels_enabled(mc_backend *be) { return ((cpu_state *)be->impl)->config.panels; }
-
-int mc_cpu_huge_pages(mc_backend *be) { return ((cpu_state *)be->impl)->config.huge_pages; }
-
 mc_status mc_cpu_bind_linear(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err) {
     cpu_state *st = be->impl;
     if (mc_cpu_panel_max(be) == 0 || be->linear_wtype != MC_WTYPE_F32)
@@ -171,7 +167,7 @@ float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what,
  * bytes. MARCACHE_HUGE_PAGES=0 turns it off. */
 #define MC_HUGE_PAGE_BYTES ((size_t)2 << 20)
 
-static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
+void *mc_cpu_host_alloc(mc_backend *be, size_t bytes) {
     const cpu_state *st = be->impl;
     void *p = NULL;
     if (st->config.huge_pages && bytes >= MC_HUGE_PAGE_BYTES) {
@@ -184,6 +180,11 @@ static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *e
     } else {
         p = mc_aligned_alloc(bytes);
     }
+    return p;
+}
+
+static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
+    void *p = mc_cpu_host_alloc(be, bytes);
     if (p == NULL)
         mc_fail_nomem(err, bytes, "%s", what);
     else

@@ -98,9 +98,9 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
     const int64_t ldxp = mc_smallrow_ldxp(in);
     const size_t x_floats = (size_t)((panel_max > smallrow_max ? panel_max : smallrow_max) * ldxp);
     if (rows <= panel_max) {
-        /* A bound fp32 weight: its column panels (cpu_panels.c). The plain
-         * ISA reads W itself; the others get the panels, made at the
-         * weight's first call here. x is transposed into register blocks. */
+        /* A bound fp32 weight: its column panels (cpu_panels.c), made at
+         * load (again here after a write into the weight dropped them); the
+         * plain ISA reads W itself. x is transposed into register blocks. */
         const mc_cpu_isa isa = mc_cpu_isa_of(be);
         const float *panels = NULL;
         const int panel_order = mc_cpu_panels_for(be, w, out, in, isa != MC_CPU_ISA_PLAIN, &panels, err);

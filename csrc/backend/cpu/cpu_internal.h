@@ -203,12 +203,11 @@ void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0,
  * stream and each x value it broadcasts meets 32 outputs. */
 #define MC_PANEL_COLS 32
 
-/* A bound fp32 linear weight and, from its first small-row call, its panels. */
+/* A bound fp32 linear weight and its panels (made at load). */
 typedef struct mc_cpu_panel_weight {
     const char *w;  /* the buffer bind_linear was given: [out, in] floats */
     int64_t out, in;
     float *panels;  /* [ceil(out / 32)][in][32]; NULL after a write into w, until the next call */
-    size_t bytes;   /* of panels */
 } mc_cpu_panel_weight;
 
 typedef struct mc_cpu_panel_set {
@@ -218,8 +217,10 @@ typedef struct mc_cpu_panel_set {
 
 /* The backend's set, and its configuration (cpu_backend.c). */
 mc_cpu_panel_set *mc_cpu_panel_set_of(mc_backend *be);
-int mc_cpu_panels_enabled(mc_backend *be);
-int mc_cpu_huge_pages(mc_backend *be);
+/* `bytes` of host memory laid out as the backend's buffers are (2 MiB
+ * aligned with huge pages advised from 2 MiB, under MARCACHE_HUGE_PAGES;
+ * else 64-byte aligned); NULL when out of memory; mc_aligned_free frees it. */
+void *mc_cpu_host_alloc(mc_backend *be, size_t bytes);
 /* The CPU backend's bind_linear (ops.h): notes an fp32 weight and makes its
  * panels (nothing when panels are off, their threshold is 0 or the weights
  * are 16-bit; no panels for the plain ISA, whose kernel reads W). */

@@ -31,12 +31,10 @@
  * a call is cut, and a row's result does not depend on the call's other
  * rows. It is another order than the lane kernel's and OpenBLAS's, within
  * the same float32 error. */
-#define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE are not in POSIX */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "cpu_internal.h"
 
@@ -49,9 +47,6 @@
 
 /* As in cpu_smallrow.c: below this many multiply-adds one thread. */
 #define MC_PANEL_PARALLEL_MIN_MACS (256 * 1024)
-/* Panels of at least this size start on a 2 MiB boundary with huge pages
- * advised (cpu_backend.c's MC_HUGE_PAGE_BYTES, the same reason). */
-#define MC_PANEL_HUGE_BYTES ((size_t)2 << 20)
 /* Rows per register block: AVX-512: 14 x 2 accumulators + 2 weight vectors
  * + 1 broadcast = 31 of 32 registers; AVX2: half a panel (16 outputs) at a
  * time, 6 x 2 + 2 + 1 = 15 of 16. */
@@ -83,9 +78,8 @@ mc_status mc_cpu_panel_set_add(mc_backend *be, mc_cpu_panel_set *set, const void
 }
 
 static void drop_panels(mc_cpu_panel_weight *pw) {
-    free(pw->panels);
+    mc_aligned_free(pw->panels);
     pw->panels = NULL;
-    pw->bytes = 0;
 }
 
 void mc_cpu_panel_set_forget(mc_cpu_panel_set *set, const void *buffer) {
@@ -136,26 +130,23 @@ static mc_status make_panels(mc_backend *be, mc_cpu_panel_weight *pw, mc_err *er
         return mc_fail_nomem_n(err, (size_t)(npanels * pw->in), MC_PANEL_COLS * sizeof(float),
                                "the column panels of a %lld x %lld linear weight", (long long)pw->out,
                                (long long)pw->in);
-    void *p = NULL;
-    const size_t align = bytes >= MC_PANEL_HUGE_BYTES ? MC_PANEL_HUGE_BYTES : 64;
-    if (posix_memalign(&p, align, bytes ? bytes : 64) != 0)
+    /* Laid out as a weight's own buffer: huge pages for the same reason. */
+    float *p = mc_cpu_host_alloc(be, bytes);
+    if (p == NULL)
         return mc_fail_nomem(err, bytes, "the column panels of a %lld x %lld linear weight (MARCACHE_SMALLROW_PANELS=0 "
                                          "runs without them)",
                              (long long)pw->out, (long long)pw->in);
-#ifdef MADV_HUGEPAGE
-    if (align == MC_PANEL_HUGE_BYTES && mc_cpu_huge_pages(be))
-        (void)madvise(p, bytes, MADV_HUGEPAGE);
-#endif
     pack_panels((const float *)pw->w, pw->out, pw->in, p, mc_cpu_threads(be));
     pw->panels = p;
-    pw->bytes = bytes;
     return MC_OK;
 }
 
 int mc_cpu_panels_for(mc_backend *be, const void *w, int64_t out, int64_t in, int make, const float **panels,
                       mc_err *err) {
     *panels = NULL;
-    if (!mc_cpu_panels_enabled(be) || be->linear_wtype != MC_WTYPE_F32 || in <= 0)
+    /* With the panels off nothing was bound (mc_cpu_bind_linear), so the
+     * search below finds nothing. */
+    if (be->linear_wtype != MC_WTYPE_F32 || in <= 0)
         return 0;
     mc_cpu_panel_set *set = mc_cpu_panel_set_of(be);
     const char *view = w;
