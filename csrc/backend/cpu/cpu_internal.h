@@ -102,9 +102,10 @@ typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_
 #define MC_SMALLROW_MAX_DEFAULT 96
 /* linear runs a bound fp32 weight's column panels (cpu_panels.c) for rows <=
  * this (MARCACHE_SMALLROW_MAX sets both thresholds). 256: measured
- * (bench_linear.py, MAR-B's five shapes, 2 threads, weights beyond L3) the
- * panels ran 193-208 GFLOP/s from 64 to 256 rows, OpenBLAS 137-199, never
- * ahead of them; above 256 no measurement was made. */
+ * (bench_linear.py, MAR-B's five shapes, 2 threads, weights beyond L3,
+ * benchmarks/results/panels-2026-11-28.md) the panels ran 175-204 GFLOP/s
+ * from 32 to 256 rows, 1.03-1.96x OpenBLAS but for 3072 x 768 at 256 rows
+ * (0.94x); at 320 rows even with it, from 448 behind (0.89-0.97x). */
 #define MC_PANEL_MAX_DEFAULT 256
 /* The lanes of the small-row summation order (one AVX-512 vector, two AVX2
  * ones): x rows are padded to a multiple of it. */
