@@ -167,7 +167,7 @@ float *mc_cpu_scratch(mc_backend *be, int slot, size_t floats, const char *what,
  * bytes. MARCACHE_HUGE_PAGES=0 turns it off. */
 #define MC_HUGE_PAGE_BYTES ((size_t)2 << 20)
 
-void *mc_cpu_host_alloc(mc_backend *be, size_t bytes) {
+void *mc_cpu_host_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
     const cpu_state *st = be->impl;
     void *p = NULL;
     if (st->config.huge_pages && bytes >= MC_HUGE_PAGE_BYTES) {
@@ -180,14 +180,14 @@ void *mc_cpu_host_alloc(mc_backend *be, size_t bytes) {
     } else {
         p = mc_aligned_alloc(bytes);
     }
+    if (p == NULL)
+        mc_fail_nomem(err, bytes, "%s", what);
     return p;
 }
 
 static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
-    void *p = mc_cpu_host_alloc(be, bytes);
-    if (p == NULL)
-        mc_fail_nomem(err, bytes, "%s", what);
-    else
+    void *p = mc_cpu_host_alloc(be, bytes, what, err);
+    if (p != NULL)
         be->allocations++;
     return p;
 }

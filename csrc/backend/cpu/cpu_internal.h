@@ -220,8 +220,9 @@ typedef struct mc_cpu_panel_set {
 mc_cpu_panel_set *mc_cpu_panel_set_of(mc_backend *be);
 /* `bytes` of host memory laid out as the backend's buffers are (2 MiB
  * aligned with huge pages advised from 2 MiB, under MARCACHE_HUGE_PAGES;
- * else 64-byte aligned); NULL when out of memory; mc_aligned_free frees it. */
-void *mc_cpu_host_alloc(mc_backend *be, size_t bytes);
+ * else 64-byte aligned); NULL with MemoryError naming `what` and the size
+ * in err when out of memory; mc_aligned_free frees it. */
+void *mc_cpu_host_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err);
 /* The CPU backend's bind_linear (ops.h): notes an fp32 weight and makes its
  * panels (nothing when panels are off, their threshold is 0 or the weights
  * are 16-bit; no panels for the plain ISA, whose kernel reads W). */

@@ -32,6 +32,7 @@
  * rows. It is another order than the lane kernel's and OpenBLAS's, within
  * the same float32 error. */
 #include <math.h>
+#include <stdio.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,11 +132,13 @@ static mc_status make_panels(mc_backend *be, mc_cpu_panel_weight *pw, mc_err *er
                                "the column panels of a %lld x %lld linear weight", (long long)pw->out,
                                (long long)pw->in);
     /* Laid out as a weight's own buffer: huge pages for the same reason. */
-    float *p = mc_cpu_host_alloc(be, bytes);
+    char what[160];
+    snprintf(what, sizeof what,
+             "the column panels of a %lld x %lld linear weight (MARCACHE_SMALLROW_PANELS=0 runs without them)",
+             (long long)pw->out, (long long)pw->in);
+    float *p = mc_cpu_host_alloc(be, bytes, what, err);
     if (p == NULL)
-        return mc_fail_nomem(err, bytes, "the column panels of a %lld x %lld linear weight (MARCACHE_SMALLROW_PANELS=0 "
-                                         "runs without them)",
-                             (long long)pw->out, (long long)pw->in);
+        return err->status;
     pack_panels((const float *)pw->w, pw->out, pw->in, p, mc_cpu_threads(be));
     pw->panels = p;
     return MC_OK;
