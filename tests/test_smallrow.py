@@ -4,8 +4,8 @@ issue 23).
 `linear` with few rows runs one of two kernels instead of OpenBLAS, outputs split across
 the OpenMP team, with bias, activation and the residual applied as the sums are stored:
   - a bound fp32 weight (a model's, and run_op's W, which is bound the same way), up to
-    256 rows: its column panels (cpu_panels.c), each output one fma chain over the inputs
-    in order. The wtype "fp32" below;
+    768 rows with AVX-512 and 96 with AVX2 (PANEL_MAX): its column panels (cpu_panels.c),
+    each output one fma chain over the inputs in order. The wtype "fp32" below;
   - 16-bit weights, and fp32 ones with MARCACHE_SMALLROW_PANELS=0, up to 96 rows: the lane
     kernel that streams W in nn.Linear layout (16 fma lanes and a fixed tree). The wtype
     "fp32-lanes" below is fp32 with the panels off.
@@ -54,6 +54,10 @@ BOUND_16BIT = {"bf16": 1e-2, "fp16": 2e-3}  # test_ops.py's bounds of 16-bit ope
 # The AVX-512 kernel's narrow path runs calls of up to this many rows (SR_NARROW_ROWS in
 # cpu_smallrow.c), its blocked path more (with MARCACHE_SMALLROW_MAX above it).
 NARROW_MAX = 256
+# The panels' default thresholds by the ISA in use (MC_PANEL_MAX_AVX512 / _AVX2 in
+# cpu_internal.h); a forced plain ISA takes the machine's best ISA's.
+PANEL_MAX = {"avx512": 768, "avx2": 96, "plain": 0}
+DEFAULT_PANEL_MAX = PANEL_MAX[SUPPORTED[0]]
 
 
 @contextmanager
@@ -247,8 +251,8 @@ def test_isas_agree_bit_for_bit_and_with_openblas_within_tolerance(wtype):
 
 
 @pytest.mark.skipif(SUPPORTED[0] == "plain", reason="without a vector kernel the path is off by default")
-@pytest.mark.parametrize("wtype, threshold", [("fp32", 256), ("fp32-lanes", 96), ("bf16", 96)])
-def test_the_default_thresholds_are_256_rows_for_panels_and_96_for_lanes(wtype, threshold):
+@pytest.mark.parametrize("wtype, threshold", [("fp32", DEFAULT_PANEL_MAX), ("fp32-lanes", 96), ("bf16", 96)])
+def test_the_default_thresholds_are_the_isas_panel_rows_and_96_for_lanes(wtype, threshold):
     # At the threshold the kernel runs, bit for bit its order; one row more goes to
     # OpenBLAS: another order, within the op test's tolerance. 1000 inputs: with fewer than
     # OpenBLAS's K block (a few hundred) its SkylakeX kernel is one fma chain per output in
@@ -384,7 +388,12 @@ def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
     # The best set is the default; without a vector kernel the path is off by default.
     assert info["cpu_isa"] == SUPPORTED[0] and SUPPORTED[-1] == "plain"
     assert info["smallrow_max"] == (0 if SUPPORTED[0] == "plain" else 96)
-    assert info["panel_max"] == (0 if SUPPORTED[0] == "plain" else 256) and info["smallrow_panels"] == 1
+    assert info["panel_max"] == DEFAULT_PANEL_MAX and info["smallrow_panels"] == 1
+    for isa in ISAS:
+        # An emulated AVX2 machine (MARCACHE_CPU_ISA=avx2 on an AVX-512 one) takes AVX2's
+        # threshold; the plain reference loop the best ISA's.
+        with env(MARCACHE_CPU_ISA=isa):
+            assert _C.build_info()["panel_max"] == PANEL_MAX[SUPPORTED[0] if isa == "plain" else isa], isa
     with env(MARCACHE_SMALLROW_PANELS="0"):
         assert _C.build_info()["smallrow_panels"] == 0 and _C.build_info()["panel_max"] == 0
     x, w, _, _ = make_inputs(0, 2, 3, 4)
@@ -431,16 +440,21 @@ def test_the_gemm_split_keeps_the_result(rows, inp, out):
 
 # Row counts around the panel kernels' register blocks (AVX-512: 14 rows, AVX2: 6; a call
 # is cut into blocks as even as possible: 15 = 8 + 7, 29 = 10 + 10 + 9), the head's 8-14
-# and the panel threshold; outputs that no panel width divides (a partial last panel).
-PANEL_ROWS = [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 96, 255, 256]
+# and the thresholds; outputs that no panel width divides (a partial last panel). With
+# 1024 inputs a thread runs x in chunks of 4 AVX-512 blocks (MC_PANEL_X_CHUNK_BYTES, 256
+# KiB: 56 rows) or 10 AVX2 ones (60 rows) over each panel, so from 57 rows a call crosses
+# chunks, and with 2 threads each thread packs part of x for both.
+PANEL_ROWS = [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 57, 96, 97, 255, 256, 300, 768]
 
 
 @pytest.mark.parametrize("rows", PANEL_ROWS)
 @pytest.mark.parametrize("isa", ISAS)
 def test_panels_compute_one_fma_chain_per_output_for_every_block_shape(isa, rows):
-    for inp, out, threads in ((37, 29, 1), (160, 97, 2), (64, 320, 2)):
+    shapes = ((37, 29, 1), (160, 97, 2), (64, 320, 2)) + (((1024, 70, 2),) if rows >= 43 else ())
+    for inp, out, threads in shapes:
         x, w, b, y = make_inputs(rows * 31 + inp, rows, inp, out, True, True, strided=True)
-        got = run_linear(isa, x, w, b, y, beta=1.0, threads=threads)
+        # Every ISA on its panels at every row count here, whatever its default threshold.
+        got = run_linear(isa, x, w, b, y, beta=1.0, threads=threads, smallrow_max=4096)
         np.testing.assert_array_equal(got, emulate_panel_order(x, w, b, y, 1.0), err_msg=f"{inp} x {out}")
 
 

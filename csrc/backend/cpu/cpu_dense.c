@@ -100,7 +100,7 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
     if (rows <= panel_max) {
         /* A bound fp32 weight: its column panels (cpu_panels.c), made at
          * load (again here after a write into the weight dropped them); the
-         * plain ISA reads W itself. x is transposed into register blocks. */
+         * plain ISA reads W itself. The run transposes x into register blocks in xt. */
         const mc_cpu_isa isa = mc_cpu_isa_of(be);
         const float *panels = NULL;
         const int panel_order = mc_cpu_panels_for(be, w, out, in, isa != MC_CPU_ISA_PLAIN, &panels, err);
@@ -112,7 +112,6 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
                 xt = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, x_floats, "the small-row linear's transposed input", err);
                 if (xt == NULL)
                     return err->status;
-                mc_cpu_panel_pack_x(x, ldx, rows, in, mc_cpu_panel_block_rows(isa), xt);
             }
             const mc_panel_job job = {.x = x, .ldx = ldx, .xt = xt, .w = w, .panels = panels, .rows = rows,
                                       .in = in, .out = out, .bias = bias, .act = act, .beta = beta, .y = y,

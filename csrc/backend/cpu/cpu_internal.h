@@ -101,12 +101,17 @@ typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_
  * cpu_smallrow.c); 95% of the head's rows at batch 8. */
 #define MC_SMALLROW_MAX_DEFAULT 96
 /* linear runs a bound fp32 weight's column panels (cpu_panels.c) for rows <=
- * this (MARCACHE_SMALLROW_MAX sets both thresholds). 256: measured
- * (bench_linear.py, MAR-B's five shapes, 2 threads, weights beyond L3,
- * benchmarks/results/panels-2026-11-28.md) the panels ran 175-204 GFLOP/s
- * from 32 to 256 rows, 1.03-1.96x OpenBLAS but for 3072 x 768 at 256 rows
- * (0.94x); at 320 rows even with it, from 448 behind (0.89-0.97x). */
-#define MC_PANEL_MAX_DEFAULT 256
+ * these (MARCACHE_SMALLROW_MAX sets both thresholds), by the instruction set
+ * in use (a forced plain one: the machine's best). Measured with
+ * bench_linear.py on MAR-B's shapes (2 threads, weights beyond L3,
+ * benchmarks/results/panels-chunked-2026-11-29.md), the panels packing x
+ * inside the team and in L2-sized row chunks: AVX-512 at or above OpenBLAS
+ * on every shape up to 768 rows (1.00-1.15x; 0.98-1.07x at 1024-1280,
+ * 0.95-1.05x at 2560-4096); AVX2 (emulated on that Zen 4:
+ * MARCACHE_CPU_ISA=avx2, OPENBLAS_CORETYPE=Haswell) 1.00-1.17x up to 96 rows
+ * but for 3072 x 768 (0.84-0.87x), 0.87-0.97x from 128 rows. */
+#define MC_PANEL_MAX_AVX512 768
+#define MC_PANEL_MAX_AVX2 96
 /* The lanes of the small-row summation order (one AVX-512 vector, two AVX2
  * ones): x rows are padded to a multiple of it. */
 #define MC_SMALLROW_LANES 16
@@ -247,21 +252,18 @@ int mc_cpu_panels_for(mc_backend *be, const void *w, int64_t out, int64_t in, in
                       mc_err *err);
 /* Rows per register block of isa's panel kernel (the plain one takes any). */
 int mc_cpu_panel_block_rows(mc_cpu_isa isa);
-/* x rows (stride ldx) transposed into register blocks for the panel kernel:
- * rows split into ceil(rows / block_rows) blocks as even as possible (the
- * first ones one row longer), block b of R rows starting at row r0 stored
- * at xt + r0 * in as [in][R]. */
-void mc_cpu_panel_pack_x(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows, float *xt);
 /* y = beta * y + act(x W^T + bias) with fp32 panels: output (r, o) is
  * fma(x[r][in - 1], W[o][in - 1], ... fma(x[r][0], W[o][0], 0)), the
  * inputs in increasing order, one rounding each, then + bias, act, + y; the
- * same bits on every ISA, thread count and row count. `xt` from
- * mc_cpu_panel_pack_x with mc_cpu_panel_block_rows(isa); the plain kernel
- * reads x and w instead (so it checks the packing too). */
+ * same bits on every ISA, thread count and row count. The vector kernels
+ * first write x into `xt` (rows x in floats) as register blocks of at most
+ * mc_cpu_panel_block_rows(isa) rows, the threads sharing the work; the plain
+ * kernel reads x and w instead (so it checks the packing too) and xt may be
+ * NULL. */
 typedef struct mc_panel_job {
     const float *x;
     int64_t ldx;
-    const float *xt;
+    float *xt;
     const float *w;      /* [out, in] */
     const float *panels; /* panel 0 = outputs [0, 32) of this call */
     int64_t rows, in, out;
