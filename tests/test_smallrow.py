@@ -480,6 +480,31 @@ def test_a_released_weights_panels_are_not_reused():
     assert not np.array_equal(results[0], results[1])
 
 
+@pytest.mark.skipif(SUPPORTED[0] == "plain", reason="without a vector kernel no linear runs on panels by default")
+@pytest.mark.parametrize("backend_name", ["cpu", "guard"])
+@pytest.mark.parametrize("rows", [8, 90])
+def test_a_write_into_a_bound_weight_makes_its_panels_again(backend_name, rows):
+    # run_op's w_rewrite: W bound and used (its panels made), then W_new copied into W's
+    # buffer with the backend's copy (as a load into a bound weight would), and the call
+    # run again. The CPU drops the panels of a weight written into (cpu_copy; the guard
+    # forwards to its inner CPU backend) and makes them again from the new values; the
+    # old panels would give x W^T instead of x W_new^T.
+    x, w, b, _ = make_inputs(rows + 5, rows, 160, 97)
+    w_new = make_inputs(rows + 6, rows, 160, 97)[1]
+    with env(MARCACHE_CPU_ISA=None, MARCACHE_SMALLROW_MAX=None, MARCACHE_SMALLROW_PANELS=None):
+        got = _C.run_op(backend_name, "linear", (x, w, b, None, w_new), {"threads": 2})
+    np.testing.assert_array_equal(got, emulate_panel_order(x, w_new, b, None, 0.0))
+    assert not np.array_equal(got, emulate_panel_order(x, w, b, None, 0.0))
+
+
+def test_w_rewrite_is_refused_with_accumulation_or_16_bit_weights():
+    x, w, b, y = make_inputs(0, 4, 16, 8, with_y=True)
+    with pytest.raises(ValueError, match="argument 'w_rewrite' needs beta 0 and wtype fp32"):
+        _C.run_op("cpu", "linear", (x, w, b, y, w), {"beta": 1.0})
+    with pytest.raises(ValueError, match="argument 'w_rewrite' needs beta 0 and wtype fp32"):
+        _C.run_op("cpu", "linear", (x, w, b, None, w), {"wtype": "bf16"})
+
+
 def test_panels_and_lanes_agree_within_the_op_tolerance():
     # The two orders differ in the last bits (another summation), not beyond the tolerance.
     x, w, b, _ = make_inputs(9, 12, 1024, 1024)

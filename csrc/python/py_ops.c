@@ -871,11 +871,21 @@ static int repack_conv_weight(op_call *call, operand *w) {
 /* W bound as a model's weight is (mc_bind calls bind_linear), then the op:
  * the path a model's linear takes (the CPU's column panels for fp32). The
  * call's release of W forgets it again. */
+/* W bound as a model's weights are (the CPU makes its column panels), then
+ * the call. With `w_rewrite` (the harness's check of a write into a bound
+ * weight: the CPU must drop the panels and make them again from the new
+ * values, not reuse the old ones) its values are then copied into W's
+ * buffer with the backend's copy and the call runs again; y is the second
+ * call's. */
 static mc_status bind_and_run_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
-                                     const void *w, const float *bias, int64_t out, mc_act act, float beta,
-                                     float *y, int64_t ldy, mc_err *err) {
+                                     void *w, const void *w_rewrite, const float *bias, int64_t out, mc_act act,
+                                     float beta, float *y, int64_t ldy, mc_err *err) {
     if (be->ops->bind_linear != NULL)
         MC_TRY(be->ops->bind_linear(be, w, out, in, err));
+    MC_TRY(be->ops->linear(be, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, err));
+    if (w_rewrite == NULL)
+        return MC_OK;
+    MC_TRY(be->ops->copy(be, w, w_rewrite, (size_t)(out * in) * sizeof(float), err));
     return be->ops->linear(be, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, err);
 }
 
@@ -884,9 +894,9 @@ static PyObject *run_linear(op_call *call) {
     mc_act act;
     float beta;
     mc_wtype wtype = MC_WTYPE_F32;
-    operand *in[4];
+    operand *in[5];
     if (check_param_keys(call, keys) < 0 || param_act(call, "act", 0, &act) < 0 ||
-        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 4) < 0 ||
+        param_float(call, "beta", 0, 0.0f, &beta) < 0 || check_arity(call, 2, 5) < 0 ||
         param_wtype(call, &wtype) < 0)
         return NULL;
     if (beta != 0.0f && beta != 1.0f)
@@ -894,20 +904,27 @@ static PyObject *run_linear(op_call *call) {
     if (beta == 1.0f && act != MC_ACT_NONE)
         return raise_value(call, "param 'act' must be 'none' when beta == 1");
     if (fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), IN("W", 2, LAYOUT_CONTIGUOUS),
-                               OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 2, LAYOUT_STRIDED)),
+                               OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 2, LAYOUT_STRIDED),
+                               OPT_IN("w_rewrite", 2, LAYOUT_CONTIGUOUS)),
                    in) < 0)
         return NULL;
-    operand *x = in[0], *w = in[1], *bias = in[2], *y = in[3];
+    operand *x = in[0], *w = in[1], *bias = in[2], *y = in[3], *w_rewrite = in[4];
     int64_t rows = x->shape[0], width = x->shape[1], out = w->shape[0];
     if (check_shape(call, w, (dim_rule[]){RULE_ANY, RULE_EQ(width)}) < 0 ||
         (bias != NULL && check_dims(call, bias, &out) < 0) ||
+        (w_rewrite != NULL && check_dims(call, w_rewrite, w->shape) < 0) ||
         (wtype != MC_WTYPE_F32 && narrow_weight(call, w, wtype) < 0) ||
         output_operand(call, &y, "y", 2, (int64_t[]){rows, out}) < 0)
         return NULL;
+    /* The second call would add onto the first's y; 16-bit weights have no
+     * panels (and W_rewrite would need narrowing too). */
+    if (w_rewrite != NULL && (beta != 0.0f || wtype != MC_WTYPE_F32))
+        return raise_value(call, "argument 'w_rewrite' needs beta 0 and wtype fp32");
     call->backend->linear_wtype = wtype;
     RETURN_RUN(call, y,
                bind_and_run_linear(call->backend, x->device, operand_ld(x), rows, width, w->device,
-                                   DEVICE_OR_NULL(bias), out, act, beta, y->device, operand_ld(y), &call->err));
+                                   DEVICE_OR_NULL(w_rewrite), DEVICE_OR_NULL(bias), out, act, beta, y->device,
+                                   operand_ld(y), &call->err));
 }
 
 static PyObject *run_layernorm(op_call *call) {
