@@ -103,13 +103,14 @@ typedef enum mc_cpu_isa { MC_CPU_ISA_PLAIN = 0, MC_CPU_ISA_AVX2 = 1, MC_CPU_ISA_
 /* linear runs a bound fp32 weight's column panels (cpu_panels.c) for rows <=
  * these (MARCACHE_SMALLROW_MAX sets both thresholds), by the instruction set
  * in use (a forced plain one: the machine's best). Measured with
- * bench_linear.py on MAR-B's shapes (2 threads, weights beyond L3,
- * benchmarks/results/panels-chunked-2026-11-29.md), the panels packing x
- * inside the team and in L2-sized row chunks: AVX-512 at or above OpenBLAS
- * on every shape up to 768 rows (1.00-1.15x; 0.98-1.07x at 1024-1280,
- * 0.95-1.05x at 2560-4096); AVX2 (emulated on that Zen 4:
- * MARCACHE_CPU_ISA=avx2, OPENBLAS_CORETYPE=Haswell) 1.00-1.17x up to 96 rows
- * but for 3072 x 768 (0.84-0.87x), 0.87-0.97x from 128 rows. */
+ * bench_linear.py on MAR-B's five shapes (2 threads, weights beyond L3,
+ * benchmarks/results/panels-chunked-2026-11-29.md), x run in L2-sized row
+ * chunks: AVX-512 1.01-1.15x OpenBLAS from 256 to 768 rows but for
+ * 3072 x 768 at 640-768 (0.98-0.99x), 0.99-1.08x at 1024-2560; AVX2
+ * (emulated on that Zen 4: MARCACHE_CPU_ISA=avx2, OPENBLAS_CORETYPE=Haswell)
+ * 0.93-1.07x at 32-96 rows but for 3072 x 768 (0.85-0.88x), 0.85-0.98x at
+ * 128-256. Not below the lane threshold (96): fp32 calls between the two
+ * would take the lane kernel, slower than both. */
 #define MC_PANEL_MAX_AVX512 768
 #define MC_PANEL_MAX_AVX2 96
 /* The lanes of the small-row summation order (one AVX-512 vector, two AVX2
@@ -257,7 +258,7 @@ int mc_cpu_panel_block_rows(mc_cpu_isa isa);
  * inputs in increasing order, one rounding each, then + bias, act, + y; the
  * same bits on every ISA, thread count and row count. The vector kernels
  * first write x into `xt` (rows x in floats) as register blocks of at most
- * mc_cpu_panel_block_rows(isa) rows, the threads sharing the work; the plain
+ * mc_cpu_panel_block_rows(isa) rows; the plain
  * kernel reads x and w instead (so it checks the packing too) and xt may be
  * NULL. */
 typedef struct mc_panel_job {

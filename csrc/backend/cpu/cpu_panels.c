@@ -197,15 +197,13 @@ static int64_t block_rows(int64_t rows, int64_t blocks, int64_t b, int *count) {
 /* x rows (stride ldx) transposed into register blocks for the vector
  * kernels: rows split into ceil(rows / block_rows_max) blocks as even as
  * possible (the first ones one row longer), block b of R rows starting at
- * row r0 stored at xt + r0 * in as [in][R]; here blocks [b_begin, b_end).
- * The inputs go 64 at a
- * time over the block's rows, so the piece of the block being written
- * (64 x R floats) stays in L1 instead of each row's pass sweeping the whole
- * block (43 KB at 768 inputs and 14 rows). */
-static void pack_x_blocks(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows_max, int64_t b_begin,
-                          int64_t b_end, float *xt) {
+ * row r0 stored at xt + r0 * in as [in][R]. The inputs go 64 at a time over
+ * a block's rows, so the piece of the block being written (64 x R floats)
+ * stays in L1 instead of each row's pass sweeping the whole block (43 KB at
+ * 768 inputs and 14 rows). */
+static void pack_x(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows_max, float *xt) {
     const int64_t blocks = (rows + block_rows_max - 1) / block_rows_max;
-    for (int64_t b = b_begin; b < b_end; b++) {
+    for (int64_t b = 0; b < blocks; b++) {
         int nr;
         const int64_t r0 = block_rows(rows, blocks, b, &nr);
         float *dst = xt + r0 * in;
@@ -374,33 +372,25 @@ static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, in
 void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j) {
     if (j->rows == 0 || j->out == 0)
         return;
-    /* The plain kernel reads x itself; the vector ones its register blocks. */
-    const int packs = isa != MC_CPU_ISA_PLAIN;
-    const int block_rows_max = mc_cpu_panel_block_rows(isa);
-    const int64_t blocks = (j->rows + block_rows_max - 1) / block_rows_max;
+    /* The plain kernel reads x itself; the vector ones its register blocks,
+     * packed by this thread before the team starts. Packed inside the
+     * region instead, each thread its share of the blocks and then a
+     * barrier, the panels ran 5-20% slower at 12-640 rows (bench_linear.py,
+     * 2026-11-29). */
+    if (isa != MC_CPU_ISA_PLAIN)
+        pack_x(j->x, j->ldx, j->rows, j->in, mc_cpu_panel_block_rows(isa), j->xt);
     if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_PANEL_PARALLEL_MIN_MACS)
         threads = 1;
     if (threads <= 1) {
-        if (packs)
-            pack_x_blocks(j->x, j->ldx, j->rows, j->in, block_rows_max, 0, blocks, j->xt);
         panel_slice(isa, j, 0, j->out);
         return;
     }
-    /* Each thread packs its share of x's blocks (every thread reads them
-     * all, so a barrier), then computes its outputs: whole panels, one
-     * contiguous run of them. Packed before the region instead, one thread
-     * worked while the other waited (1.5% of a batch-1 LazyMAR image). */
+    /* Each thread's outputs: whole panels, one contiguous run of them. */
 #pragma omp parallel num_threads(threads)
     {
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        if (packs) {
-            int64_t b_end;
-            const int64_t b_begin = mc_cpu_thread_slice(blocks, tid, team, 1, &b_end);
-            pack_x_blocks(j->x, j->ldx, j->rows, j->in, block_rows_max, b_begin, b_end, j->xt);
-#pragma omp barrier
-        }
         int64_t end;
-        const int64_t begin = mc_cpu_thread_slice(j->out, tid, team, MC_PANEL_COLS, &end);
+        const int64_t begin =
+            mc_cpu_thread_slice(j->out, omp_get_thread_num(), omp_get_num_threads(), MC_PANEL_COLS, &end);
         if (begin < end)
             panel_slice(isa, j, begin, end);
     }
