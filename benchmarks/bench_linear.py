@@ -60,7 +60,7 @@ def build(out_path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 96, 128, 256, 512, 768, 1024])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="INxOUT of the weight")
     ap.add_argument("--split", action="store_true",
                     help="compare the row and column splits of OpenBLAS GEMMs instead of the two paths")

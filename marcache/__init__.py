@@ -64,8 +64,8 @@ def build_info():
     runs, ``smallrow_max`` the most rows a linear sends to the lane kernel (16-bit weights,
     or fp32 without panels; MARCACHE_SMALLROW_MAX; 0: off); ``smallrow_panels``: 1 when
     fp32 Linear weights get column panels at load (MARCACHE_SMALLROW_PANELS, default 1),
-    ``panel_max`` the most rows a linear runs on them (MARCACHE_SMALLROW_MAX sets it too;
-    0 with panels off); ``huge_pages``: 1 when the CPU backend asks for transparent huge pages for
+    ``panel_max`` the most rows a linear runs on them (768 with AVX-512, 96 with AVX2, by
+    the ISA in use; MARCACHE_SMALLROW_MAX sets it too; 0 with panels off); ``huge_pages``: 1 when the CPU backend asks for transparent huge pages for
     buffers of 2 MiB or more (MARCACHE_HUGE_PAGES, default 1; 0: off); ``gemm_split``: how
     the CPU backend divides an OpenBLAS GEMM between its threads (MARCACHE_GEMM_SPLIT: auto,
     rows or cols). These read the environment now, as a backend made now would; -1
