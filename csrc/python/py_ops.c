@@ -870,13 +870,11 @@ static int repack_conv_weight(op_call *call, operand *w) {
 
 /* W bound as a model's weight is (mc_bind calls bind_linear), then the op:
  * the path a model's linear takes (the CPU's column panels for fp32). The
- * call's release of W forgets it again. */
-/* W bound as a model's weights are (the CPU makes its column panels), then
- * the call. With `w_rewrite` (the harness's check of a write into a bound
- * weight: the CPU must drop the panels and make them again from the new
- * values, not reuse the old ones) its values are then copied into W's
- * buffer with the backend's copy and the call runs again; y is the second
- * call's. */
+ * call's release of W forgets it again. With `w_rewrite` (the harness's
+ * check of a write into a bound weight: the CPU must drop the panels and
+ * make them again from the new values, not reuse the old ones) its values
+ * are then copied into W's buffer with the backend's copy and the call runs
+ * again; y is the second call's. */
 static mc_status bind_and_run_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
                                      void *w, const void *w_rewrite, const float *bias, int64_t out, mc_act act,
                                      float beta, float *y, int64_t ldy, mc_err *err) {

@@ -100,7 +100,7 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
     if (rows <= panel_max) {
         /* A bound fp32 weight: its column panels (cpu_panels.c), made at
          * load (again here after a write into the weight dropped them); the
-         * plain ISA reads W itself. The run transposes x into register blocks in xt. */
+         * plain ISA reads W itself. The run transposes x into xt's blocks. */
         const mc_cpu_isa isa = mc_cpu_isa_of(be);
         const float *panels = NULL;
         const int panel_order = mc_cpu_panels_for(be, w, out, in, isa != MC_CPU_ISA_PLAIN, &panels, err);
