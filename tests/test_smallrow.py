@@ -116,8 +116,8 @@ def check_against_reference(got, x, w, b, y, act, beta, wtype):
 
 
 # (rows, in, out, act, bias, beta, strided, threads): rows around the AVX-512 tile (3),
-# the vector width (16), the kernel's row groups (32, 33) and the default threshold (96,
-# 97 goes to OpenBLAS); in and out not multiples of 16, down to 1 and 0; the head's adaLN
+# the vector width (16), the kernel's row groups (32, 33) and the lane threshold (96; 97
+# leaves the lane kernel); in and out not multiples of 16, down to 1 and 0; the head's adaLN
 # and MLP shapes.
 CASES = [
     (1, 1, 1, "none", True, 0.0, False, 1),
@@ -443,7 +443,7 @@ def test_the_gemm_split_keeps_the_result(rows, inp, out):
 # and the thresholds; outputs that no panel width divides (a partial last panel). With
 # 1024 inputs a thread runs x in chunks of 4 AVX-512 blocks (MC_PANEL_X_CHUNK_BYTES, 256
 # KiB: 56 rows) or 10 AVX2 ones (60 rows) over each panel, so from 57 rows a call crosses
-# chunks, and with 2 threads each thread packs part of x for both.
+# chunks.
 PANEL_ROWS = [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 57, 96, 97, 255, 256, 300, 768]
 
 

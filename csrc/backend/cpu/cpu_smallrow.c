@@ -177,10 +177,12 @@ float mc_smallrow_reduce16(const float lane[MC_SMALLROW_LANES]) {
 void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0, int no, const float *sums,
                        int ld_sums) {
     if (j->act != MC_ACT_GELU_TANH) {
-        /* No activation here (GELU and SiLU come after, over the slice):
-         * the same adds as the general loop below, with the tests taken out
-         * of the inner loops so that they run in vectors (the epilogue was
-         * 1.8% of a batch-1 LazyMAR image's samples written per element). */
+        /* No activation here: GELU (erf) and SiLU are applied after the
+         * kernel over the thread's slice, in vectors (mc_cpu_slice_act; the
+         * kernels see them as MC_ACT_NONE). The tests stay out of the inner
+         * loops so that the adds run in vectors (written per element, the
+         * epilogue was 1.8% of a batch-1 LazyMAR image's samples). beta == 0
+         * never reads y (it may hold garbage or NaN). */
         const float *bias = j->bias != NULL ? j->bias + o0 : NULL;
         for (int r = 0; r < nr; r++) {
             float *restrict yr = j->y + (r0 + r) * j->ldy + o0;
@@ -200,6 +202,8 @@ void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0,
         }
         return;
     }
+    /* GELU (tanh), per element; beta is 0 with an activation (linear
+     * refuses the pair), so y is not read. */
     for (int r = 0; r < nr; r++) {
         float *yr = j->y + (r0 + r) * j->ldy + o0;
         const float *s = sums + (int64_t)r * ld_sums;
@@ -207,17 +211,7 @@ void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0,
             float v = s[o];
             if (j->bias != NULL)
                 v += j->bias[o0 + o];
-            switch (j->act) {
-            case MC_ACT_NONE: break;
-            /* mc_cpu_smallrow_run applies these to the thread's slice after
-             * its kernel, in vectors (the same bits: mc_gelu_erf, mc_silu);
-             * the kernels see them as MC_ACT_NONE. */
-            case MC_ACT_GELU:
-            case MC_ACT_SILU: break;
-            case MC_ACT_GELU_TANH: v = mc_gelu_tanh(v); break;
-            }
-            /* beta == 0 never reads y (it may hold garbage or NaN). */
-            yr[o] = j->beta != 0.0f ? yr[o] + v : v;
+            yr[o] = mc_gelu_tanh(v);
         }
     }
 }
