@@ -194,21 +194,22 @@ static int64_t block_rows(int64_t rows, int64_t blocks, int64_t b, int *count) {
     return b * base + (b < extra ? b : extra);
 }
 
-/* x rows (stride ldx) transposed into register blocks for the vector
- * kernels: rows split into ceil(rows / block_rows_max) blocks as even as
+/* Inputs [i_begin, i_end) of x's rows (stride ldx) transposed into the
+ * register blocks of the vector kernels: rows split into ceil(rows / block_rows_max) blocks as even as
  * possible (the first ones one row longer), block b of R rows starting at
  * row r0 stored at xt + r0 * in as [in][R]. The inputs go 64 at a time over
  * a block's rows, so the piece of the block being written (64 x R floats)
  * stays in L1 instead of each row's pass sweeping the whole block (43 KB at
  * 768 inputs and 14 rows). */
-static void pack_x(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows_max, float *xt) {
+static void pack_x(const float *x, int64_t ldx, int64_t rows, int64_t in, int block_rows_max, int64_t i_begin,
+                   int64_t i_end, float *xt) {
     const int64_t blocks = (rows + block_rows_max - 1) / block_rows_max;
     for (int64_t b = 0; b < blocks; b++) {
         int nr;
         const int64_t r0 = block_rows(rows, blocks, b, &nr);
         float *dst = xt + r0 * in;
-        for (int64_t i0 = 0; i0 < in; i0 += 64) {
-            const int64_t i1 = i0 + 64 < in ? i0 + 64 : in;
+        for (int64_t i0 = i_begin; i0 < i_end; i0 += 64) {
+            const int64_t i1 = i0 + 64 < i_end ? i0 + 64 : i_end;
             for (int r = 0; r < nr; r++) {
                 const float *src = x + (r0 + r) * ldx;
                 for (int64_t i = i0; i < i1; i++)
@@ -328,8 +329,8 @@ typedef void (*panel_block_fn)(const float *pw, const float *xt, int64_t in, int
  * register block of the chunk over the panel (the first streams the panel
  * from memory or L3, the others find it in L2), each block's sums stored
  * through the epilogue. */
-static void panel_vector(panel_block_fn block, int block_rows_max, const mc_panel_job *j, int64_t o_begin,
-                         int64_t o_end) {
+static void panel_vector(mc_cpu_isa isa, mc_act vector_act, panel_block_fn block, int block_rows_max,
+                         const mc_panel_job *j, int64_t o_begin, int64_t o_end) {
     const mc_smallrow_job s = store_job(j);
     const int64_t blocks = (j->rows + block_rows_max - 1) / block_rows_max;
     const int64_t block_bytes = (int64_t)block_rows_max * j->in * (int64_t)sizeof(float);
@@ -345,6 +346,10 @@ static void panel_vector(panel_block_fn block, int block_rows_max, const mc_pane
                 const int64_t r0 = block_rows(j->rows, blocks, b, &nr);
                 block(pw, j->xt + r0 * j->in, j->in, nr, sums);
                 mc_smallrow_store(&s, r0, nr, o0, no, sums, MC_PANEL_COLS);
+                /* GELU (erf) or SiLU while the block's outputs are in L1 (the
+                 * store saw MC_ACT_NONE); over the thread's slice afterwards,
+                 * it re-read y from L3 (fc1's output at 640 rows: 7.5 MB). */
+                mc_cpu_slice_act(isa, vector_act, j->y + r0 * j->ldy, j->ldy, nr, o0, o0 + no);
             }
         }
     }
@@ -352,45 +357,62 @@ static void panel_vector(panel_block_fn block, int block_rows_max, const mc_pane
 
 #endif /* MC_PANEL_X86 */
 
-/* Outputs [begin, end) of every row with isa's kernel, then GELU or SiLU
- * over them in vectors (mc_cpu_slice_act, as the lane kernel does). */
+/* Outputs [begin, end) of every row with isa's kernel; GELU (erf) or SiLU
+ * in vectors (mc_cpu_slice_act, as the lane kernel does): the vector
+ * kernels per register block, the plain one over the slice after it. */
 static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, int64_t end) {
     mc_panel_job k = *j;
-    if (mc_cpu_slice_act_is_vector(j->act))
+    const mc_act vector_act = mc_cpu_slice_act_is_vector(j->act) ? j->act : MC_ACT_NONE;
+    if (vector_act != MC_ACT_NONE)
         k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
 #if MC_PANEL_X86
-    if (isa == MC_CPU_ISA_AVX512)
-        panel_vector(panel_avx512_block, MC_PANEL_ROWS_AVX512, &k, begin, end);
-    else if (isa == MC_CPU_ISA_AVX2)
-        panel_vector(panel_avx2_block, MC_PANEL_ROWS_AVX2, &k, begin, end);
-    else
+    if (isa == MC_CPU_ISA_AVX512) {
+        panel_vector(isa, vector_act, panel_avx512_block, MC_PANEL_ROWS_AVX512, &k, begin, end);
+        return;
+    }
+    if (isa == MC_CPU_ISA_AVX2) {
+        panel_vector(isa, vector_act, panel_avx2_block, MC_PANEL_ROWS_AVX2, &k, begin, end);
+        return;
+    }
 #endif
-        panel_plain(&k, begin, end);
-    mc_cpu_slice_act(isa, j->act, j->y, j->ldy, j->rows, begin, end);
+    panel_plain(&k, begin, end);
+    mc_cpu_slice_act(isa, vector_act, j->y, j->ldy, j->rows, begin, end);
 }
 
 void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j) {
     if (j->rows == 0 || j->out == 0)
         return;
-    /* The plain kernel reads x itself; the vector ones its register blocks,
-     * packed by this thread before the team starts. Packed inside the
-     * region instead, each thread its share of the blocks and then a
-     * barrier, the panels ran 5-20% slower at 12-640 rows (bench_linear.py,
-     * 2026-11-29). */
-    if (isa != MC_CPU_ISA_PLAIN)
-        pack_x(j->x, j->ldx, j->rows, j->in, mc_cpu_panel_block_rows(isa), j->xt);
+    /* The plain kernel reads x itself; the vector ones its register blocks. */
+    const int packs = isa != MC_CPU_ISA_PLAIN;
+    const int block_rows_max = mc_cpu_panel_block_rows(isa);
     if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_PANEL_PARALLEL_MIN_MACS)
         threads = 1;
     if (threads <= 1) {
+        if (packs)
+            pack_x(j->x, j->ldx, j->rows, j->in, block_rows_max, 0, j->in, j->xt);
         panel_slice(isa, j, 0, j->out);
         return;
     }
-    /* Each thread's outputs: whole panels, one contiguous run of them. */
+    /* Both threads pack x, each a share of its inputs (64 at a time) in
+     * every block, then a barrier: every thread reads all blocks. Packed by
+     * one thread before the team, the other waited (with the scalar
+     * transposes reading x from L3 or the other core's L2, 6% of a batch-1
+     * LazyMAR image's wall time by perf); packed in the team by blocks of
+     * rows instead (99eb2eb), bench_linear measured the panels 5-20% slower;
+     * by inputs, 0.96-1.14x the one-thread packing (15 shape and row pairs,
+     * alternated twice, 2026-11-29). */
 #pragma omp parallel num_threads(threads)
     {
+        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+        if (packs) {
+            int64_t i_end;
+            const int64_t i_begin = mc_cpu_thread_slice(j->in, tid, team, 64, &i_end);
+            if (i_begin < i_end)
+                pack_x(j->x, j->ldx, j->rows, j->in, block_rows_max, i_begin, i_end, j->xt);
+#pragma omp barrier
+        }
         int64_t end;
-        const int64_t begin =
-            mc_cpu_thread_slice(j->out, omp_get_thread_num(), omp_get_num_threads(), MC_PANEL_COLS, &end);
+        const int64_t begin = mc_cpu_thread_slice(j->out, tid, team, MC_PANEL_COLS, &end);
         if (begin < end)
             panel_slice(isa, j, begin, end);
     }
