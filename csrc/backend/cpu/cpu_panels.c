@@ -195,9 +195,10 @@ static int64_t block_rows(int64_t rows, int64_t blocks, int64_t b, int *count) {
 }
 
 /* Inputs [i_begin, i_end) of x's rows (stride ldx) transposed into the
- * register blocks of the vector kernels: rows split into ceil(rows / block_rows_max) blocks as even as
- * possible (the first ones one row longer), block b of R rows starting at
- * row r0 stored at xt + r0 * in as [in][R]. The inputs go 64 at a time over
+ * register blocks of the vector kernels: rows split into
+ * ceil(rows / block_rows_max) blocks as even as possible (the first ones one
+ * row longer), block b of R rows starting at row r0 stored at xt + r0 * in
+ * as [in][R]. The inputs go 64 at a time over
  * a block's rows, so the piece of the block being written (64 x R floats)
  * stays in L1 instead of each row's pass sweeping the whole block (43 KB at
  * 768 inputs and 14 rows). */
