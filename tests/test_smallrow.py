@@ -443,7 +443,7 @@ def test_the_gemm_split_keeps_the_result(rows, inp, out):
 # and the thresholds; outputs that no panel width divides (a partial last panel). With
 # 1024 inputs a thread runs x in chunks of 4 AVX-512 blocks (MC_PANEL_X_CHUNK_BYTES, 256
 # KiB: 56 rows) or 10 AVX2 ones (60 rows) over each panel, so from 57 rows a call crosses
-# chunks.
+# chunks; with 2 threads each packs a share of x's inputs for both.
 PANEL_ROWS = [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 57, 96, 97, 255, 256, 300, 768]
 
 

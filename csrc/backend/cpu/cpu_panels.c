@@ -329,7 +329,7 @@ typedef void (*panel_block_fn)(const float *pw, const float *xt, int64_t in, int
  * of rows by chunk (MC_PANEL_X_CHUNK_BYTES), within it panel by panel, every
  * register block of the chunk over the panel (the first streams the panel
  * from memory or L3, the others find it in L2), each block's sums stored
- * through the epilogue. */
+ * through the epilogue, then vector_act (GELU or SiLU) over them. */
 static void panel_vector(mc_cpu_isa isa, mc_act vector_act, panel_block_fn block, int block_rows_max,
                          const mc_panel_job *j, int64_t o_begin, int64_t o_end) {
     const mc_smallrow_job s = store_job(j);

@@ -178,8 +178,9 @@ void mc_smallrow_store(const mc_smallrow_job *j, int64_t r0, int nr, int64_t o0,
                        int ld_sums) {
     if (j->act != MC_ACT_GELU_TANH) {
         /* No activation here: GELU (erf) and SiLU are applied after the
-         * kernel over the thread's slice, in vectors (mc_cpu_slice_act; the
-         * kernels see them as MC_ACT_NONE). The tests stay out of the inner
+         * store in vectors (mc_cpu_slice_act: the panels per register block,
+         * the lane kernel over the thread's slice; the kernels see them as
+         * MC_ACT_NONE). The tests stay out of the inner
          * loops so that the adds run in vectors (written per element, the
          * epilogue was 1.8% of a batch-1 LazyMAR image's samples). beta == 0
          * never reads y (it may hold garbage or NaN). */
