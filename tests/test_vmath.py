@@ -104,6 +104,41 @@ def test_softmax_rows_follow_the_documented_order(isa, cols):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "plain"])
+def test_softmax_row_max_is_the_plain_ones_wherever_it_lies(isa):
+    """The vector forms take the row maximum lane-wise (max_ps skips a NaN in the row as the
+    plain comparison does): the max in any lane, in the tail after the last whole vector,
+    a NaN or -inf among the scores, rows of only -inf or NaN, and maxima of +0 against -0
+    (which exp(x - max) cannot tell apart) give the plain form's bits."""
+    rows = []
+    for cols in (7, 16, 17, 40, 321):
+        for where in sorted({0, 1, cols // 2, cols - 1}):
+            r = np.linspace(-6.0, -1.0, cols).astype(F32)
+            r[where] = 3.5
+            rows.append(r)
+            nan_row = r.copy()
+            nan_row[(where + 1) % cols] = np.nan
+            rows.append(nan_row)
+            inf_row = r.copy()
+            inf_row[(where + 2) % cols] = -np.inf
+            rows.append(inf_row)
+        rows.append(np.full(cols, -np.inf, F32))
+        rows.append(np.full(cols, np.nan, F32))
+        zeros = -np.abs(np.linspace(-3.0, 3.0, cols)).astype(F32) - F32(0.5)
+        zeros[0], zeros[-1] = F32(-0.0), F32(0.0)
+        rows.append(zeros)
+        rows.append(zeros[::-1].copy())
+    for r in rows:
+        x = r[None, :]
+        want = _C._cpu_softmax(x, "plain")
+        got = _C._cpu_softmax(x, isa)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"{isa}: {r}")
+        if np.isfinite(r).all():  # the NaN-free rows against the float64 softmax too
+            xd = r.astype(np.float64)
+            ref = np.exp(xd - xd.max())
+            np.testing.assert_allclose(got[0], ref / ref.sum(), rtol=2e-6, atol=1e-9)
+
+
 def gelu64(x):
     """GELU in float64 from the math module: x/2 (1 + erf(x / sqrt 2)), with erfc for
     x < 0 so the negative tail keeps its relative accuracy."""
