@@ -28,6 +28,32 @@ def child_env(**extra):
     return env
 
 
+def build_harness(source, out_path):
+    """Compile benchmarks/<source> with the checkout's CPU backend and core C sources
+    against the scipy-openblas32 wheel the module links, with the module's own flags
+    (-O3 -march=native, or MARCACHE_MARCH, -fopenmp): a C harness that times the engine's
+    own code through its backend factory, so that running it from two trees compares them."""
+    import subprocess
+    import sysconfig
+
+    import scipy_openblas32
+
+    here = os.path.join(ROOT, "benchmarks")
+    sources = [os.path.join(here, source)]
+    for folder in ("csrc/backend/cpu", "csrc/backend", "csrc/core"):
+        full = os.path.join(ROOT, folder)
+        sources += sorted(os.path.join(full, f) for f in os.listdir(full) if f.endswith(".c"))
+    lib_dir = scipy_openblas32.get_lib_dir()
+    march = os.environ.get("MARCACHE_MARCH", "native")
+    cmd = [os.environ.get("CC") or (sysconfig.get_config_var("CC") or "gcc").split()[0], "-O3", "-std=c11",
+           "-D_GNU_SOURCE", "-fopenmp", "-DMC_BLAS_NAME=\"scipy-openblas32\"", "-I" + os.path.join(ROOT, "csrc"),
+           "-I" + scipy_openblas32.get_include_dir(), "-o", out_path, *sources, "-L" + lib_dir,
+           "-l" + scipy_openblas32.get_library(), "-Wl,-rpath," + lib_dir, "-lm"]
+    if march:
+        cmd.insert(1, "-march=" + march)
+    subprocess.run(cmd, check=True)
+
+
 def sgemm_rate(shapes, repeats):
     """(best GFLOP/s, {"MxNxK": GFLOP/s}) over GEMMs of the given (m, n, k) shapes
     (nn.Linear form: rows x out x in), each timed `repeats` times by _C.sgemm_seconds."""

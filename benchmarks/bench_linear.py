@@ -31,30 +31,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import print_machine, print_table, sgemm_rate, write_json  # noqa: E402
+from _common import build_harness, print_machine, print_table, sgemm_rate, write_json  # noqa: E402
 
 SHAPES = ("1024x1024", "1024x3072", "768x2304", "768x3072", "3072x768")
 SGEMM_SHAPES = ((512, 1024, 1024),)
 
 
 def build(out_path):
-    import sysconfig
-
-    import scipy_openblas32
-
-    sources = [os.path.join(HERE, "linear_threshold.c")]
-    for folder in ("csrc/backend/cpu", "csrc/backend", "csrc/core"):
-        full = os.path.join(ROOT, folder)
-        sources += sorted(os.path.join(full, f) for f in os.listdir(full) if f.endswith(".c"))
-    lib_dir = scipy_openblas32.get_lib_dir()
-    march = os.environ.get("MARCACHE_MARCH", "native")
-    cmd = [os.environ.get("CC") or (sysconfig.get_config_var("CC") or "gcc").split()[0], "-O3", "-std=c11",
-           "-D_GNU_SOURCE", "-fopenmp", "-DMC_BLAS_NAME=\"scipy-openblas32\"", "-I" + os.path.join(ROOT, "csrc"),
-           "-I" + scipy_openblas32.get_include_dir(), "-o", out_path, *sources, "-L" + lib_dir,
-           "-l" + scipy_openblas32.get_library(), "-Wl,-rpath," + lib_dir, "-lm"]
-    if march:
-        cmd.insert(1, "-march=" + march)
-    subprocess.run(cmd, check=True)
+    build_harness("linear_threshold.c", out_path)
 
 
 def main():

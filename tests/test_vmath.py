@@ -9,12 +9,17 @@ the head's SiLU (x / (1 + e^-x) on the same expf) within 3 ulp, every instructio
 the plain form bit for bit, and the softmax row to a NumPy emulation of its documented
 order bit for bit and to the float64 softmax."""
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from marcache import _C
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = np.float32
 SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
 ISAS = tuple(isa for isa in ("plain", "avx2", "avx512") if isa in SUPPORTED)
@@ -241,3 +246,23 @@ def test_hooks_reject_bad_arguments():
         _C._cpu_gelu(np.zeros(3, F32), "sse")
     with pytest.raises(ValueError):
         _C._cpu_softmax(np.zeros(3, F32), "plain")  # softmax rows: 2-D
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="benchmarks/bench_attention.py builds its harness with gcc")
+def test_the_attention_benchmark_builds_and_times_the_op(tmp_path):
+    # benchmarks/bench_attention.py's C harness (attention_time.c) compiles against the
+    # checkout's sources and times the op through the backend's table.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import _common
+    finally:
+        sys.path.pop(0)
+    exe = str(tmp_path / "attention_time")
+    _common.build_harness("attention_time.c", exe)
+    out = subprocess.run([exe, "1", "2", "64", "2", "3", "40", "17", "5"], capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert [r[:2] for r in rows] == [["3", "40"], ["17", "5"]]
+    assert all(float(v) > 0 for r in rows for v in r[2:])
+    bad = subprocess.run([exe, "1", "2", "64", "2", "0", "40"], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "must be positive" in bad.stderr
