@@ -29,7 +29,6 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _common import build_harness, print_machine, print_table, sgemm_rate, write_json  # noqa: E402
 
