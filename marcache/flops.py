@@ -109,8 +109,8 @@ def flops(model_or_name, steps=None, cfg=None, cache=None, batch=1, diffusion_st
     MAR cache policy (LazyMAR, MARche, CfgFreeLate, DiSA; DiSA's respaced step counts
     replace `diffusion_steps`). convention: "engine" counts what
     marcache computes (equal to the engine's telemetry); "reference" counts what the
-    official PyTorch code computes for the same run (no hoisting in the diffusion
-    head, the convention of the published MAR/LazyMAR FLOPs and of the spec's
+    official PyTorch code computes for the same run (the decoder's last block on
+    every row, no hoisting in the diffusion head: the convention of the published MAR/LazyMAR FLOPs and of the spec's
     derived tables).
 
     VAR: one step per scale (the model's patch_nums; `steps` and `diffusion_steps`
@@ -179,7 +179,8 @@ def _mar_flops(model_or_name, steps, cfg, cache, batch, diffusion_steps, convent
             per_step.append(0.0)
             continue
         ctx = _StepContext(config=c, batch=batch, cfg_on=cfg_on, step=step, steps=steps,
-                           known=S - masked_before, predicted=predicted, predicted_before=predicted_before)
+                           known=S - masked_before, predicted=predicted, predicted_before=predicted_before,
+                           reference=reference)
         e, d = cache.transformer_flops(ctx)
         # A policy may sample some steps unguided (CfgFreeLate): its step_cfg_on says which.
         step_cfg_on = cache.step_cfg_on(ctx) if hasattr(cache, "step_cfg_on") else cfg_on

@@ -25,18 +25,35 @@ def encoder(c, n_seq, new_tokens, q_rows, keys):
     return enc, 2 * n_seq * q_rows * D * c["decoder_width"]
 
 
-def decoder_layers(c, n_seq, q_rows, keys, layers):
-    """`layers` decoder blocks on q_rows rows per sequence attending to `keys` rows."""
-    Dd = c["decoder_width"]
-    return layers * (attn(n_seq, q_rows, keys, Dd) + mlp(n_seq * q_rows, Dd, c["decoder_mlp_hidden"]))
+def decoder_layers(c, n_seq, q_rows, keys, layers, read=None):
+    """`layers` decoder blocks on q_rows rows per sequence attending to `keys` rows;
+    the last of them read at `read` rows per sequence (read_block)."""
+    Dd, hidden = c["decoder_width"], c["decoder_mlp_hidden"]
+    if layers <= 0:
+        return 0
+    whole = attn(n_seq, q_rows, keys, Dd) + mlp(n_seq * q_rows, Dd, hidden)
+    return (layers - 1) * whole + read_block(n_seq, q_rows, read, keys, Dd, hidden)
 
 
-def plain_transformer(c, n_seq, known):
-    """(encoder, decoder) FLOPs of the uncached transformer with `known` known tokens."""
+def read_block(n_seq, q_rows, read, keys, dim, hidden):
+    """A block whose outputs are read at `read` of its q_rows rows per sequence (the
+    decoder's last block, csrc mc_mar_block_read_rows): k and v of every row; q,
+    attention, proj and the MLP of the read rows. read None, <= 0 or >= q_rows: the
+    whole block."""
+    if read is None or read <= 0 or read >= q_rows:
+        return attn(n_seq, q_rows, keys, dim) + mlp(n_seq * q_rows, dim, hidden)
+    rows, out = n_seq * q_rows, n_seq * read
+    return 2 * rows * dim * 2 * dim + 2 * out * dim * dim + 4 * out * keys * dim + 2 * out * dim * dim + \
+        mlp(out, dim, hidden)
+
+
+def plain_transformer(c, n_seq, known, read=None):
+    """(encoder, decoder) FLOPs of the uncached transformer with `known` known tokens,
+    its last decoder block read at `read` rows per sequence (None: every row)."""
     P, S = c["buffer_size"], c["seq_len"]
     enc_len, L = P + known, P + S
     enc, embed = encoder(c, n_seq, known, enc_len, enc_len)
-    return enc, embed + decoder_layers(c, n_seq, L, L, c["decoder_depth"])
+    return enc, embed + decoder_layers(c, n_seq, L, L, c["decoder_depth"], read)
 
 
 def head_eval(c, rows, x_rows, mode, skip=(0, -1), reference=False):

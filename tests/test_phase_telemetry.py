@@ -37,13 +37,23 @@ def block_bytes(rows, dim, hidden, itemsize):
     return (4 * dim * dim + chunks * 2 * dim * hidden) * itemsize
 
 
+def read_block_flops(n_seq, rows, read, keys, dim, hidden):
+    """The decoder's last block, whose outputs are read at `read` rows per sequence: k and v
+    of every row (the keys), q, attention, proj and the MLP of the read rows alone."""
+    every, some = n_seq * rows, n_seq * read
+    return 2 * every * dim * 2 * dim + 2 * some * dim * dim + 4 * some * keys * dim + 2 * some * dim * dim + \
+        mlp_flops(some, dim, hidden)
+
+
 @pytest.mark.parametrize("n_images", [1, 8])
 @pytest.mark.parametrize("dtype,itemsize", [("fp32", 4), ("bf16", 2)])
 def test_nocache_phases_count_every_block_and_weight(tiny_path, backend, n_images, dtype, itemsize):
-    """NoCache runs every block on every row: per step the encoder meter holds depth x (attention
-    over the P + K rows of 2B sequences + their MLP) and the decoder's the same over P + S rows;
-    the weight bytes are the blocks' Linear matrices (MLP ones once per 4096-row chunk: 8
-    images with CFG put 16 x 320 = 5120 decoder rows through two chunks)."""
+    """NoCache runs every block on every row but the decoder's last, whose outputs only the
+    predicted rows reach the head from: per step the encoder meter holds depth x (attention
+    over the P + K rows of 2B sequences + their MLP), the decoder's the same over P + S rows
+    for all but its last block, which computes k and v of every row and the rest on the
+    predicted rows; the weight bytes are the blocks' Linear matrices (MLP ones once per
+    4096-row chunk: 8 images with CFG put 16 x 320 = 5120 decoder rows through two chunks)."""
     m = mc.load(tiny_path, device=backend, dtype=dtype, diffusion_steps=DIFFUSION_STEPS)
     c = m.config
     D, Dd, P, S = c["width"], c["decoder_width"], c["buffer_size"], c["seq_len"]
@@ -54,20 +64,23 @@ def test_nocache_phases_count_every_block_and_weight(tiny_path, backend, n_image
         enc, dec = s["phases"]["encoder"], s["phases"]["decoder"]
         rows_e, rows_d = P + known, P + S
         want_enc = c["depth"] * (attn_flops(n_seq, rows_e, rows_e, D) + mlp_flops(n_seq * rows_e, D, c["mlp_hidden"]))
-        want_dec = c["decoder_depth"] * (attn_flops(n_seq, rows_d, rows_d, Dd)
-                                         + mlp_flops(n_seq * rows_d, Dd, c["decoder_mlp_hidden"]))
+        want_dec = (c["decoder_depth"] - 1) * (attn_flops(n_seq, rows_d, rows_d, Dd)
+                                               + mlp_flops(n_seq * rows_d, Dd, c["decoder_mlp_hidden"])) + \
+            read_block_flops(n_seq, rows_d, s["predicted"], rows_d, Dd, c["decoder_mlp_hidden"])
         assert enc["flops"] == want_enc, (s["step"], enc["flops"], want_enc)
         assert dec["flops"] == want_dec, (s["step"], dec["flops"], want_dec)
         assert enc["weight_bytes"] == c["depth"] * block_bytes(n_seq * rows_e, D, c["mlp_hidden"], itemsize)
-        assert dec["weight_bytes"] == c["decoder_depth"] * block_bytes(n_seq * rows_d, Dd, c["decoder_mlp_hidden"],
-                                                                       itemsize)
+        assert dec["weight_bytes"] == (c["decoder_depth"] - 1) * block_bytes(
+            n_seq * rows_d, Dd, c["decoder_mlp_hidden"], itemsize) + block_bytes(
+            n_seq * s["predicted"], Dd, c["decoder_mlp_hidden"], itemsize)
         # The rest of the step's FLOPs are the two embedding GEMMs: z_proj of the known tokens
         # and decoder_embed of the encoder's rows, on every sequence.
         rest = s["flops"] - enc["flops"] - dec["flops"] - s["phases"]["head"]["flops"]
         assert rest == 2 * n_seq * known * c["token_channels"] * D + 2 * n_seq * rows_e * D * Dd, s["step"]
     if n_images == 8:
         assert max(s["phases"]["decoder"]["weight_bytes"] for s in info.steps) == \
-            c["decoder_depth"] * (4 * Dd * Dd + 2 * 2 * Dd * c["decoder_mlp_hidden"]) * itemsize
+            ((c["decoder_depth"] - 1) * (4 * Dd * Dd + 2 * 2 * Dd * c["decoder_mlp_hidden"]) +
+             4 * Dd * Dd + 2 * Dd * c["decoder_mlp_hidden"]) * itemsize
 
 
 POLICIES = [

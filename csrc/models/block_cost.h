@@ -19,6 +19,19 @@ static inline double mc_flops_block_mlp(int64_t rows, int64_t dim, int64_t hidde
     return 4.0 * (double)rows * (double)dim * (double)hidden;
 }
 
+/* A block whose outputs are read at `read_rows` of its q_rows rows per
+ * sequence (mc_mar_block_read_rows): k and v of every row; q, attention,
+ * proj and the MLP of the read rows only. All rows read (or a count <= 0,
+ * which mc_mar_block_read_rows also takes for all): the whole block. */
+static inline double mc_flops_block_read_rows(int64_t n_seq, int64_t q_rows, int64_t read_rows, int64_t keys,
+                                              int64_t dim, int64_t hidden) {
+    if (read_rows <= 0 || read_rows >= q_rows)
+        return mc_flops_block_attn(n_seq, q_rows, keys, dim) + mc_flops_block_mlp(n_seq * q_rows, dim, hidden);
+    const double rows = (double)(n_seq * q_rows), read = (double)(n_seq * read_rows), x = (double)dim;
+    return 2.0 * rows * x * 2.0 * x + 2.0 * read * x * x + 4.0 * read * (double)keys * x + 2.0 * read * x * x +
+           mc_flops_block_mlp(n_seq * read_rows, dim, hidden);
+}
+
 /* One phase of a generation (the encoder's blocks, the decoder's, the
  * diffusion head): what its calls took and did, summed over the calls. */
 typedef struct mc_phase_meter {

@@ -521,6 +521,114 @@ mc_status mc_mar_block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t
     return MC_OK;
 }
 
+/* One group of read rows (mar.h): gathered into read_x, so the attention's
+ * queries and every later op see read_rows rows per sequence, and scattered
+ * back at the end. ln holds every row's normed input, qkv every row's k and
+ * v; neither is written here (block_mlp's scratch is acts.normed). */
+static mc_status read_group(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
+                            int64_t dim, int64_t heads, int64_t hidden, const float *ln, const mc_kv_segment *kv,
+                            const int32_t *rows, int64_t per_seq, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t n_read = n_seq * per_seq, head_dim = dim / heads;
+    int32_t *host = malloc((size_t)n_read * sizeof(int32_t));
+    if (host == NULL)
+        return mc_fail_nomem_n(err, (size_t)n_read, sizeof(int32_t), "the read row indices of %lld rows",
+                               (long long)n_read);
+    for (int64_t b = 0; b < n_seq; b++)
+        for (int64_t i = 0; i < per_seq; i++) {
+            const int32_t r = rows[b * per_seq + i];
+            if (r < 0 || r >= q_rows) {
+                free(host);
+                return mc_fail(err, MC_ERR_INTERNAL, "read row %d of sequence %lld is outside its %lld rows", r,
+                               (long long)b, (long long)q_rows);
+            }
+            host[b * per_seq + i] = (int32_t)(b * q_rows + r);
+        }
+    int32_t *d_read = ACT_ROWS(m, rows_a, host, n_read, err);
+    free(host);
+    float *normed = d_read ? ACT_FLOATS(m, normed, (size_t)(n_read * dim), err) : NULL;
+    float *q = normed ? ACT_FLOATS(m, read_q, (size_t)(n_read * dim), err) : NULL;
+    float *attn = q ? ACT_FLOATS(m, attn, (size_t)(n_read * dim), err) : NULL;
+    float *xr = attn ? ACT_FLOATS(m, read_x, (size_t)(n_read * dim), err) : NULL;
+    if (xr == NULL)
+        return err->status;
+    /* q: the first dim rows of the fused weight, on the read rows alone. */
+    MC_TRY(ops->gather_rows(be, ln, dim, d_read, n_read, dim, normed, dim, err));
+    MC_TRY(ops->linear(be, normed, dim, n_read, dim, blk->qkv_w, blk->qkv_b, dim, MC_ACT_NONE, 0.0f, q, dim, err));
+    MC_TRY(ops->attention(be, n_seq, per_seq, (int)heads, (int)head_dim, (float)(1.0 / sqrt((double)head_dim)), q,
+                          dim, per_seq * dim, kv, 1, attn, dim, per_seq * dim, err));
+    MC_TRY(ops->gather_rows(be, x, dim, d_read, n_read, dim, xr, dim, err));
+    MC_TRY(ops->linear(be, attn, dim, n_read, dim, blk->proj_w, blk->proj_b, dim, MC_ACT_NONE, 1.0f, xr, dim, err));
+    MC_TRY(block_mlp(m, blk, xr, n_read, dim, hidden, err));
+    /* d_read again: block_mlp uploads no indices, so rows_a still holds ours. */
+    return ops->scatter_rows(be, xr, dim, d_read, n_read, dim, x, dim, err);
+}
+
+/* x [n_seq, q_rows, dim]: see mar.h. */
+static mc_status block_read_rows(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
+                                 int64_t dim, int64_t heads, int64_t hidden, const mc_mar_kv_io *io,
+                                 const mc_mar_read_rows *read, mc_err *err) {
+    mc_backend *be = m->backend;
+    const mc_ops *ops = be->ops;
+    const int64_t rows = n_seq * q_rows;
+    const size_t w_row_bytes = (size_t)dim * mc_wtype_size(be->linear_wtype);
+    float *ln = ACT_FLOATS(m, read_ln, (size_t)(rows * dim), err);
+    float *qkv = ln ? ACT_FLOATS(m, qkv, (size_t)(rows * 3 * dim), err) : NULL;
+    if (qkv == NULL)
+        return err->status;
+    MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL, 0, ln, dim,
+                          err));
+    /* k and v of every row: the rows dim..3 dim of the fused weight, into
+     * their columns of qkv (where store_kv and the keys read them). */
+    MC_TRY(ops->linear(be, ln, dim, rows, dim, (const char *)blk->qkv_w + (size_t)dim * w_row_bytes,
+                       blk->qkv_b + dim, 2 * dim, MC_ACT_NONE, 0.0f, qkv + dim, 3 * dim, err));
+    if (io != NULL)
+        MC_TRY(store_kv(m, qkv, q_rows, dim, io, err));
+    mc_kv_segment kv = {.k = qkv + dim, .v = qkv + 2 * dim, .rows = q_rows, .ld = 3 * dim,
+                        .batch_stride = q_rows * 3 * dim};
+    if (io != NULL && io->k_attend != NULL) {
+        kv.k = io->k_attend;
+        kv.v = io->v_attend;
+        kv.rows = io->attend_rows;
+        kv.ld = dim;
+        kv.batch_stride = io->attend_cap * dim;
+    }
+    for (int g = 0; g < read->n_groups; g++)
+        if (read->per_seq[g] > 0)
+            MC_TRY(read_group(m, blk, x, n_seq, q_rows, dim, heads, hidden, ln, &kv, read->rows[g],
+                              read->per_seq[g], err));
+    return MC_OK;
+}
+
+mc_status mc_mar_block_read_rows(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
+                                 int64_t dim, int64_t heads, int64_t hidden, const mc_mar_kv_io *io,
+                                 const mc_mar_read_rows *read, mc_err *err) {
+    if (read != NULL && (read->n_groups < 0 || read->n_groups > MC_MAR_READ_GROUPS))
+        return mc_fail(err, MC_ERR_INTERNAL, "read rows in %d groups (at most %d)", read->n_groups,
+                       MC_MAR_READ_GROUPS);
+    const int64_t per_seq = read != NULL ? mc_mar_read_rows_per_seq(read) : 0;
+    if (per_seq <= 0 || (read->n_groups == 1 && per_seq >= q_rows)) {
+        MC_TRY(mc_mar_block_attn(m, blk, x, n_seq, q_rows, dim, heads, io, err));
+        return mc_mar_block_mlp(m, blk, x, n_seq * q_rows, dim, hidden, err);
+    }
+    const double t0 = mc_seconds_now();
+    MC_TRY(block_read_rows(m, blk, x, n_seq, q_rows, dim, heads, hidden, io, read, err));
+    const int64_t keys = io != NULL && io->k_attend != NULL ? io->attend_rows : q_rows;
+    /* k and v [2 dim, dim] once; q and proj [dim, dim] each and fc1 and fc2
+     * [hidden, dim] once per chunk of each group's rows */
+    double bytes = 2.0 * (double)dim * (double)dim;
+    for (int g = 0; g < read->n_groups; g++)
+        if (read->per_seq[g] > 0) {
+            const int64_t chunks = (n_seq * read->per_seq[g] + MAR_MLP_CHUNK_ROWS - 1) / MAR_MLP_CHUNK_ROWS;
+            bytes += 2.0 * (double)dim * (double)dim + (double)chunks * 2.0 * (double)dim * (double)hidden;
+        }
+    mc_phase_meter_add(block_meter(m, blk), meter_seconds(m, t0),
+                       mc_flops_block_read_rows(n_seq, q_rows, per_seq, keys, dim, hidden),
+                       bytes * (double)mc_wtype_size(m->backend->linear_wtype));
+    return MC_OK;
+}
+
 mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t n, float *out,
                                mc_err *err) {
     mc_backend *be = mar->backend;
@@ -655,8 +763,54 @@ static mc_mar_kv_io hook_io(const mc_mar_hooks *hooks, int decoder, int64_t i, i
     return io;
 }
 
+/* The decoder rows out_rows (b * S + position) names, as read rows of the
+ * last block: each sequence's in the order given, padded with repeats of
+ * its first (or, with none, of row 0) to the most any sequence has, since
+ * the attention takes the same query count per sequence. A repeated row is
+ * the same computation, written back twice with the same values. */
+static int32_t *read_rows_of_outputs(const mc_mar *m, const int32_t *out_rows, int64_t n_out, int64_t n_seq,
+                                     int64_t *per_seq, mc_err *err) {
+    const int64_t P = m->config.buffer_size, S = m->config.seq_len;
+    int64_t *count = calloc((size_t)n_seq, sizeof(int64_t));
+    if (count == NULL) {
+        mc_fail_nomem_n(err, (size_t)n_seq, sizeof(int64_t), "the read row counts of %lld sequences",
+                        (long long)n_seq);
+        return NULL;
+    }
+    int64_t most = 0;
+    for (int64_t i = 0; i < n_out; i++) {
+        const int64_t b = out_rows[i] / S;
+        if (out_rows[i] < 0 || b >= n_seq) {
+            free(count);
+            mc_fail(err, MC_ERR_INTERNAL, "output row %d is outside %lld sequences of %lld", out_rows[i],
+                    (long long)n_seq, (long long)S);
+            return NULL;
+        }
+        most = ++count[b] > most ? count[b] : most;
+    }
+    int32_t *rows = malloc((size_t)(n_seq * most + 1) * sizeof(int32_t));
+    if (rows == NULL) {
+        free(count);
+        mc_fail_nomem_n(err, (size_t)(n_seq * most), sizeof(int32_t), "the read rows of %lld sequences",
+                        (long long)n_seq);
+        return NULL;
+    }
+    memset(count, 0, (size_t)n_seq * sizeof(int64_t));
+    for (int64_t i = 0; i < n_out; i++) {
+        const int64_t b = out_rows[i] / S;
+        rows[b * most + count[b]++] = (int32_t)(P + out_rows[i] % S);
+    }
+    for (int64_t b = 0; b < n_seq; b++)
+        for (int64_t i = count[b]; i < most; i++)
+            rows[b * most + i] = count[b] > 0 ? rows[b * most] : 0;
+    free(count);
+    *per_seq = most;
+    return rows;
+}
+
 mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
-                                int64_t n_out, float *z_out, const mc_mar_hooks *hooks, mc_err *err) {
+                                int64_t n_out, float *z_out, const mc_mar_hooks *hooks,
+                                const mc_mar_read_rows *read, mc_err *err) {
     mc_backend *be = m->backend;
     const mc_ops *ops = be->ops;
     const mc_mar_config *c = &m->config;
@@ -683,10 +837,26 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
     MC_TRY(mc_mar_decoder_input(m, x, B, K, batch->known_pos, f, err));
     if (hooks != NULL && hooks->dec_input != NULL)
         MC_TRY(ops->copy(be, hooks->dec_input, f, (size_t)(hooks->store_seq * L * Dd) * sizeof(float), err));
-    for (int64_t i = 0; i < c->dec_depth; i++) {
+    for (int64_t i = 0; i + 1 < c->dec_depth; i++) {
         const mc_mar_kv_io io = hook_io(hooks, 1, i, L);
         MC_TRY(mc_mar_block_attn(m, &m->dec_blocks[i], f, B, L, Dd, c->dec_heads, hooks ? &io : NULL, err));
         MC_TRY(mc_mar_block_mlp(m, &m->dec_blocks[i], f, B * L, Dd, c->dec_mlp_hidden, err));
+    }
+    if (c->dec_depth > 0) {
+        const int64_t last = c->dec_depth - 1;
+        const mc_mar_kv_io io = hook_io(hooks, 1, last, L);
+        mc_mar_read_rows from_outputs = {.n_groups = 1};
+        int32_t *owned = NULL;
+        if (read == NULL && n_out > 0) {
+            if ((owned = read_rows_of_outputs(m, out_rows, n_out, B, &from_outputs.per_seq[0], err)) == NULL)
+                return err->status;
+            from_outputs.rows[0] = owned;
+            read = &from_outputs;
+        }
+        mc_status st = mc_mar_block_read_rows(m, &m->dec_blocks[last], f, B, L, Dd, c->dec_heads,
+                                              c->dec_mlp_hidden, hooks ? &io : NULL, read, err);
+        free(owned);
+        MC_TRY(st);
     }
 
     /* Final norm and diffusion_pos_embed only on the rows the head needs. */
@@ -708,7 +878,7 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
 
 mc_status mc_mar_transformer(mc_mar *m, const mc_mar_batch *batch, const int32_t *out_rows,
                              int64_t n_out, float *z_out, mc_err *err) {
-    return mc_mar_transformer_ex(m, batch, out_rows, n_out, z_out, NULL, err);
+    return mc_mar_transformer_ex(m, batch, out_rows, n_out, z_out, NULL, NULL, err);
 }
 
 /* ------------------------------------------------------------------- head */

@@ -58,6 +58,8 @@ typedef struct mc_mar_acts {
     mc_buffer mlp_hidden; /* a block's MLP hidden chunk [chunk, hidden] */
     mc_buffer tokens;     /* gathered known tokens [n, C] */
     mc_buffer gather;     /* projected or gathered rows [n, D or Dd] */
+    mc_buffer read_ln;    /* mc_mar_block_read_rows: every row's normed input [rows, dim] */
+    mc_buffer read_x, read_q; /* ... and a group's residual rows and queries [n, dim] */
     mc_buffer head_y, head_ada, head_h, head_u, head_u2; /* mc_mar_head_acts */
     mc_buffer rows_a, rows_b, rows_c;                    /* device row indices of the current pass */
 } mc_mar_acts;
@@ -157,6 +159,27 @@ typedef struct mc_mar_kv_io {
     int64_t attend_rows, attend_cap;
 } mc_mar_kv_io;
 
+/* The rows of each sequence whose outputs of a block are read
+ * (mc_mar_block_read_rows), in groups: group g's rows[g][b * per_seq[g] + i]
+ * index sequence b's rows. Each group runs as its own op calls, so its rows
+ * meet the same kernels as they would alone: a cache policy's full step
+ * reads the predicted rows as NoCache reads them, bit for bit, and the
+ * other masked rows (the condition cache's) as a second group. */
+#define MC_MAR_READ_GROUPS 2
+typedef struct mc_mar_read_rows {
+    int n_groups;
+    const int32_t *rows[MC_MAR_READ_GROUPS]; /* host [n_seq * per_seq[g]] */
+    int64_t per_seq[MC_MAR_READ_GROUPS];
+} mc_mar_read_rows;
+
+/* The read rows per sequence, over the groups. */
+static inline int64_t mc_mar_read_rows_per_seq(const mc_mar_read_rows *read) {
+    int64_t n = 0;
+    for (int g = 0; g < read->n_groups; g++)
+        n += read->per_seq[g];
+    return n;
+}
+
 /* Caches filled by a full pass for a cache policy (all optional). Arrays of
  * per-layer pointers may hold NULL for layers that are not cached. */
 typedef struct mc_mar_hooks {
@@ -173,6 +196,17 @@ mc_status mc_mar_block_attn(mc_mar *mar, const mc_mar_block *blk, float *x, int6
                             mc_err *err);
 mc_status mc_mar_block_mlp(mc_mar *mar, const mc_mar_block *blk, float *x, int64_t rows, int64_t dim,
                            int64_t hidden, mc_err *err);
+/* A whole block (attention and MLP) of which only `read`'s rows are read
+ * afterwards: the last decoder block, whose outputs reach the head only at
+ * the predicted rows (and the condition cache at the masked ones). K and V
+ * come from every row, as the attention's keys and for io's store; the
+ * queries, the attention, proj and the MLP run on the read rows alone, and
+ * their outputs go back into their rows of x. x's other rows keep the
+ * block's input. read == NULL, no rows, or one group of every row: the
+ * whole block. */
+mc_status mc_mar_block_read_rows(mc_mar *mar, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
+                                 int64_t dim, int64_t heads, int64_t hidden, const mc_mar_kv_io *io,
+                                 const mc_mar_read_rows *read, mc_err *err);
 /* Encoder input rows [B', P + K, D] (buffer + known tokens, z_proj_ln applied). */
 mc_status mc_mar_encoder_input(mc_mar *mar, const mc_mar_batch *batch, float *x, mc_err *err);
 /* decoder_embed of encoder rows [n_seq, P + n_tok] (positions: host [n_seq, n_tok])
@@ -186,9 +220,13 @@ mc_status mc_mar_decoder_init(mc_mar *mar, float *f, int64_t n_seq, mc_err *err)
 mc_status mc_mar_output_rows(mc_mar *mar, const float *x, const int32_t *src_rows, const int32_t *positions,
                              int64_t n_out, const float *extra, const int32_t *extra_rows, float *z_out,
                              mc_err *err);
-/* The full transformer with optional cache fills. */
+/* The full transformer with optional cache fills. The last decoder block
+ * runs on the rows `read` names (NULL: the rows out_rows names, or every
+ * row when n_out is 0); mc_mar_decoder_activations then holds the last
+ * block's outputs at those rows only. */
 mc_status mc_mar_transformer_ex(mc_mar *mar, const mc_mar_batch *batch, const int32_t *out_rows,
-                                int64_t n_out, float *z_out, const mc_mar_hooks *hooks, mc_err *err);
+                                int64_t n_out, float *z_out, const mc_mar_hooks *hooks,
+                                const mc_mar_read_rows *read, mc_err *err);
 
 /* Class vectors: label < 0 selects fake_latent (unconditional). */
 mc_status mc_mar_class_vectors(mc_mar *mar, const int32_t *labels_host, int64_t n, float *out,
@@ -227,7 +265,8 @@ mc_status mc_mar_head_block_gate(mc_mar *mar, int64_t j, const mc_mar_head_acts 
 mc_status mc_mar_head_final(mc_mar *mar, const mc_mar_head_acts *acts, int64_t rows, float *out, mc_err *err);
 
 /* The decoder's last activations [B', P + S, Dd] after mc_mar_transformer_ex
- * (valid until the next transformer call). */
+ * (valid until the next transformer call; the last block's outputs only at
+ * the rows it read). */
 float *mc_mar_decoder_activations(mc_mar *mar);
 
 /* The head sampler's recorded graph (ops.h capture_*), NULL until the first

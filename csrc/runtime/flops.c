@@ -9,11 +9,15 @@ double mc_flops_mar_encoder(const mc_mar_config *c, int64_t n_seq, int64_t new_t
            2.0 * (double)(n_seq * q_rows) * (double)(D * c->dec_width);
 }
 
-double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known) {
+double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known, int64_t read_rows) {
     const int64_t P = c->buffer_size, L = P + c->seq_len, enc_len = P + n_known;
-    return mc_flops_mar_encoder(c, n_seq, n_known, enc_len, enc_len) +
-           (double)c->dec_depth * (mc_flops_block_attn(n_seq, L, L, c->dec_width) +
-                                   mc_flops_block_mlp(n_seq * L, c->dec_width, c->dec_mlp_hidden));
+    double f = mc_flops_mar_encoder(c, n_seq, n_known, enc_len, enc_len);
+    if (c->dec_depth == 0)
+        return f;
+    return f +
+           (double)(c->dec_depth - 1) * (mc_flops_block_attn(n_seq, L, L, c->dec_width) +
+                                         mc_flops_block_mlp(n_seq * L, c->dec_width, c->dec_mlp_hidden)) +
+           mc_flops_block_read_rows(n_seq, L, read_rows, L, c->dec_width, c->dec_mlp_hidden);
 }
 
 double mc_flops_head_eval(const mc_mar_config *c, int64_t rows, int64_t x_rows, mc_head_mode mode,

@@ -15,8 +15,10 @@
  * blocks on q_rows rows against `keys` rows, decoder_embed of the q_rows rows. */
 double mc_flops_mar_encoder(const mc_mar_config *c, int64_t n_seq, int64_t new_tokens, int64_t q_rows,
                             int64_t keys);
-/* The uncached MAR transformer of one AR step with n_known known tokens. */
-double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known);
+/* The uncached MAR transformer of one AR step with n_known known tokens,
+ * the last decoder block read at `read_rows` rows per sequence
+ * (mc_mar_block_read_rows; P + S: every row). */
+double mc_mar_transformer_flops(const mc_mar_config *c, int64_t n_seq, int64_t n_known, int64_t read_rows);
 /* One head evaluation on `rows` rows whose x part has `x_rows` rows. */
 double mc_flops_head_eval(const mc_mar_config *c, int64_t rows, int64_t x_rows, mc_head_mode mode,
                           int skip_first, int skip_last);

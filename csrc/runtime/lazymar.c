@@ -123,7 +123,7 @@ static mc_status lazymar_decoder(void *policy, const mc_mar_step *s, float *f, i
     MC_TRY(mc_mar_caches_keep_rows(tc, s, f, 0, kept, keep, &xk, err));
     MC_TRY(mc_mar_block_mlp(mar, &mar->dec_blocks[sel], xk, nc * keep, Dd, c->dec_mlp_hidden, err));
     *flops += mc_flops_block_mlp(nc * keep, Dd, c->dec_mlp_hidden);
-    MC_TRY(mc_mar_caches_cache_aware_layers(tc, xk, kept, keep, sel + 1, flops, err));
+    MC_TRY(mc_mar_caches_cache_aware_layers(tc, s, xk, kept, keep, sel + 1, flops, err));
     *out = xk;
     return MC_OK;
 }

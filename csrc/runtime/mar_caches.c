@@ -56,6 +56,7 @@ void mc_mar_caches_release(mc_mar_caches *tc) {
     free(tc->order);
     free(tc->taken);
     free(tc->kept);
+    free(tc->read_rows);
     memset(tc, 0, sizeof *tc);
 }
 
@@ -98,15 +99,18 @@ mc_status mc_mar_caches_init(mc_mar_caches *tc, mc_mar *mar, const mc_mar_run_sh
     const int64_t L = c->buffer_size + c->seq_len, nc = tc->n_cache_seq;
     const size_t prev_bytes = (size_t)(run->n_images * c->seq_len) * sizeof(int32_t),
                  scores_bytes = (size_t)(nc * L) * sizeof(float), order_bytes = (size_t)L * sizeof(int32_t),
-                 kept_bytes = (size_t)(nc * L) * sizeof(int32_t);
+                 kept_bytes = (size_t)(nc * L) * sizeof(int32_t),
+                 read_bytes = (size_t)(2 * run->n_images * L) * sizeof(int32_t);
     tc->prev_pred = malloc(prev_bytes);
     tc->scores_host = malloc(scores_bytes);
     tc->order = malloc(order_bytes);
     tc->taken = malloc((size_t)L);
     tc->kept = malloc(kept_bytes);
-    mc_status st = (tc->prev_pred && tc->scores_host && tc->order && tc->taken && tc->kept)
+    tc->read_rows = malloc(read_bytes);
+    mc_status st = (tc->prev_pred && tc->scores_host && tc->order && tc->taken && tc->kept && tc->read_rows)
                        ? MC_OK
-                       : mc_fail_nomem(err, prev_bytes + scores_bytes + order_bytes + (size_t)L + kept_bytes,
+                       : mc_fail_nomem(err, prev_bytes + scores_bytes + order_bytes + (size_t)L + kept_bytes +
+                                                read_bytes,
                                        "the cache policy's host state for %lld sequences", (long long)nc);
     if (st == MC_OK)
         st = mc_head_cache_init(&tc->head, mar, head, err);
@@ -193,6 +197,49 @@ static mc_status emit_outputs(mc_mar_caches *tc, const mc_mar_step *s, const flo
     return MC_OK;
 }
 
+/* The rows predicted now of each of n_seq sequences (P + position, in
+ * pred_pos order: the order NoCache reads them in, from out_rows) into
+ * rows [n_seq, n_pred]. */
+static void predicted_rows(const mc_mar_caches *tc, const mc_mar_step *s, int64_t n_seq, int32_t *rows) {
+    const int64_t P = tc->mar->config.buffer_size, B = s->n_images;
+    for (int64_t q = 0; q < n_seq; q++)
+        for (int64_t i = 0; i < s->n_pred; i++)
+            rows[q * s->n_pred + i] = (int32_t)(P + s->pred_pos[(q % B) * s->n_pred + i]);
+}
+
+/* A full step's rows of the last decoder block with the condition cache:
+ * group 0 the predicted rows (as NoCache reads them, so the step's z is
+ * NoCache's to the bit), group 1 every other masked row, ascending (the
+ * diff's rows that later steps predict). Both in tc->read_rows. */
+static mc_status full_step_read_rows(mc_mar_caches *tc, const mc_mar_step *s, int64_t n_seq, mc_mar_read_rows *read,
+                                     mc_err *err) {
+    const mc_mar_config *c = &tc->mar->config;
+    const int64_t P = c->buffer_size, S = c->seq_len, K = s->n_known, B = s->n_images;
+    const int64_t others = S - K - s->n_pred;
+    int32_t *rest = tc->read_rows + n_seq * s->n_pred;
+    predicted_rows(tc, s, n_seq, tc->read_rows);
+    for (int64_t q = 0; q < n_seq; q++) {
+        memset(tc->taken, 0, (size_t)S);
+        for (int64_t i = 0; i < K; i++)
+            tc->taken[s->known_pos[q * K + i]] = 1;
+        for (int64_t i = 0; i < s->n_pred; i++)
+            tc->taken[s->pred_pos[(q % B) * s->n_pred + i]] = 1;
+        int64_t n = 0;
+        for (int64_t pos = 0; pos < S; pos++)
+            if (!tc->taken[pos]) {
+                if (n < others)
+                    rest[q * others + n] = (int32_t)(P + pos);
+                n++;
+            }
+        if (n != others)
+            return mc_fail(err, MC_ERR_INTERNAL,
+                           "sequence %lld has %lld masked positions besides the predicted ones, expected %lld",
+                           (long long)q, (long long)n, (long long)others);
+    }
+    *read = (mc_mar_read_rows){.n_groups = 2, .rows = {tc->read_rows, rest}, .per_seq = {s->n_pred, others}};
+    return MC_OK;
+}
+
 mc_status mc_mar_caches_full_step(mc_mar_caches *tc, const mc_mar_step *s, float *select_v, int64_t select_layer,
                                   float *z, mc_mar_transformer_stats *stats, mc_err *err) {
     mc_mar *mar = tc->mar;
@@ -221,10 +268,18 @@ mc_status mc_mar_caches_full_step(mc_mar_caches *tc, const mc_mar_step *s, float
         hooks.dec_k = tc->dec_k;
         hooks.dec_v = dec_v;
     }
-    MC_TRY(mc_mar_transformer_ex(mar, &batch, s->out_rows, s->n_out, z, &hooks, err));
+    /* With the condition cache the last block's outputs are read at every
+     * masked row (the diff below, read at the rows later steps predict);
+     * without, at the rows predicted now (the transformer's default). */
+    const int keep_diff = tc->cond_diff != NULL && s->cfg_on;
+    mc_mar_read_rows masked = {0};
+    if (keep_diff)
+        MC_TRY(full_step_read_rows(tc, s, Bp, &masked, err));
+    MC_TRY(mc_mar_transformer_ex(mar, &batch, s->out_rows, s->n_out, z, &hooks, keep_diff ? &masked : NULL, err));
     /* Condition cache: what the unconditional half adds to the conditional
-     * one at the last block's output (pre-norm). */
-    if (tc->cond_diff != NULL && s->cfg_on) {
+     * one at the last block's output (pre-norm); valid at the masked rows,
+     * the only ones read. */
+    if (keep_diff) {
         const float *f = mc_mar_decoder_activations(mar);
         const int64_t half = Bp / 2;
         MC_TRY(be->ops->copy(be, tc->cond_diff, f + half * L * Dd, (size_t)(half * L * Dd) * sizeof(float), err));
@@ -233,7 +288,7 @@ mc_status mc_mar_caches_full_step(mc_mar_caches *tc, const mc_mar_step *s, float
     stats->full = 1;
     stats->encoder_rows = Bp * (P + s->n_known);
     stats->decoder_rows = stats->decoder_kept_rows = Bp * L;
-    stats->flops = mc_mar_transformer_flops(c, Bp, s->n_known);
+    stats->flops = mc_mar_transformer_flops(c, Bp, s->n_known, keep_diff ? mc_mar_read_rows_per_seq(&masked) : s->n_pred);
     return MC_OK;
 }
 
@@ -244,10 +299,13 @@ mc_status mc_mar_caches_cond_only_step(mc_mar_caches *tc, const mc_mar_step *s, 
     const int64_t B = s->n_images, P = c->buffer_size, L = P + c->seq_len;
     mc_mar_batch batch = {.n_seq = B, .n_known = s->n_known, .tokens = s->tokens,
                           .known_pos = s->known_pos, .class_vectors = s->class_vectors};
-    MC_TRY(mc_mar_transformer_ex(mar, &batch, NULL, 0, NULL, NULL, err));
+    /* The conditional rows of the predicted positions are all emit_outputs reads. */
+    predicted_rows(tc, s, B, tc->read_rows);
+    const mc_mar_read_rows predicted = {.n_groups = 1, .rows = {tc->read_rows}, .per_seq = {s->n_pred}};
+    MC_TRY(mc_mar_transformer_ex(mar, &batch, NULL, 0, NULL, NULL, &predicted, err));
     stats->encoder_rows = B * (P + s->n_known);
     stats->decoder_rows = stats->decoder_kept_rows = B * L;
-    stats->flops = mc_mar_transformer_flops(c, B, s->n_known);
+    stats->flops = mc_mar_transformer_flops(c, B, s->n_known, s->n_pred);
     return emit_outputs(tc, s, mc_mar_decoder_activations(mar), L, NULL, z, err);
 }
 
@@ -357,12 +415,13 @@ mc_status mc_mar_caches_keep_rows(mc_mar_caches *tc, const mc_mar_step *s, const
 
 /* The fresh rows are written into the cache first, so attending to all
  * P + S cached rows is exactly the online-softmax merge of fresh and cached K/V. */
-mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, float *xk, const int32_t *kept, int64_t keep,
-                                           int64_t first, double *flops, mc_err *err) {
+mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, const mc_mar_step *s, float *xk, const int32_t *kept,
+                                           int64_t keep, int64_t first, double *flops, mc_err *err) {
     mc_mar *mar = tc->mar;
     const mc_mar_config *c = &mar->config;
-    const int64_t nc = tc->n_cache_seq, L = c->buffer_size + c->seq_len, Dd = c->dec_width;
-    for (int64_t i = first; i < c->dec_depth; i++) {
+    const int64_t nc = tc->n_cache_seq, B = s->n_images, P = c->buffer_size, L = P + c->seq_len;
+    const int64_t Dd = c->dec_width;
+    for (int64_t i = first; i + 1 < c->dec_depth; i++) {
         mc_mar_kv_io io = {.k_store = tc->dec_k[i], .v_store = tc->dec_v[i], .store_seq = nc, .store_cap = L,
                            .store_slots = kept, .k_attend = tc->dec_k[i], .v_attend = tc->dec_v[i],
                            .attend_rows = L, .attend_cap = L};
@@ -370,6 +429,33 @@ mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, float *xk, const i
         MC_TRY(mc_mar_block_mlp(mar, &mar->dec_blocks[i], xk, nc * keep, Dd, c->dec_mlp_hidden, err));
         *flops += mc_flops_block_attn(nc, keep, L, Dd) + mc_flops_block_mlp(nc * keep, Dd, c->dec_mlp_hidden);
     }
+    const int64_t last = c->dec_depth - 1;
+    if (last < first)
+        return MC_OK;
+    /* The last layer's outputs are read at the predicted rows alone: where
+     * each sits among its sequence's kept rows (the rows are forced into
+     * every kept set, which is in ascending order; emit_outputs finds them
+     * the same way). */
+    for (int64_t q = 0; q < nc; q++) {
+        const int32_t *kq = kept + q * keep;
+        for (int64_t i = 0; i < s->n_pred; i++) {
+            const int32_t row = (int32_t)(P + s->pred_pos[(q % B) * s->n_pred + i]);
+            int64_t k = 0;
+            while (k < keep && kq[k] != row)
+                k++;
+            if (k == keep)
+                return mc_fail(err, MC_ERR_INTERNAL, "predicted row %d is not among sequence %lld's kept rows", row,
+                               (long long)q);
+            tc->read_rows[q * s->n_pred + i] = (int32_t)k;
+        }
+    }
+    const mc_mar_read_rows predicted = {.n_groups = 1, .rows = {tc->read_rows}, .per_seq = {s->n_pred}};
+    mc_mar_kv_io io = {.k_store = tc->dec_k[last], .v_store = tc->dec_v[last], .store_seq = nc, .store_cap = L,
+                       .store_slots = kept, .k_attend = tc->dec_k[last], .v_attend = tc->dec_v[last],
+                       .attend_rows = L, .attend_cap = L};
+    MC_TRY(mc_mar_block_read_rows(mar, &mar->dec_blocks[last], xk, nc, keep, Dd, c->dec_heads, c->dec_mlp_hidden,
+                                  &io, &predicted, err));
+    *flops += mc_flops_block_read_rows(nc, keep, s->n_pred, L, Dd, c->dec_mlp_hidden);
     return MC_OK;
 }
 

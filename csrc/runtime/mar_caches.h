@@ -38,6 +38,7 @@ typedef struct mc_mar_caches {
     int32_t *kept;                 /* [n_cache_seq * L]: rows kept (active) at the last cached step */
     int32_t *order;                /* [L] ranking scratch */
     uint8_t *taken;                /* [L] selection scratch */
+    int32_t *read_rows;            /* [2 n_images * L]: rows the last decoder block's outputs are read at */
     mc_head_cache_state head;
     size_t bytes;                  /* backend bytes of the token and condition caches */
 } mc_mar_caches;
@@ -104,9 +105,11 @@ mc_status mc_mar_caches_full_layers(mc_mar_caches *tc, float *f, int64_t first, 
 mc_status mc_mar_caches_keep_rows(mc_mar_caches *tc, const mc_mar_step *s, const float *f, int64_t first_candidate,
                                   int32_t *kept, int64_t keep, float **xk, mc_err *err);
 /* Layers [first, depth) on the kept rows xk [nc, keep]: their fresh K/V go
- * into each layer's cache, and they attend to all P + S cached rows. */
-mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, float *xk, const int32_t *kept, int64_t keep,
-                                           int64_t first, double *flops, mc_err *err);
+ * into each layer's cache, and they attend to all P + S cached rows. The
+ * last layer's outputs are computed at the rows predicted now alone (what
+ * the step emits; mc_mar_block_read_rows). */
+mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, const mc_mar_step *s, float *xk, const int32_t *kept,
+                                           int64_t keep, int64_t first, double *flops, mc_err *err);
 /* A step without CFG inside a CFG run (a composing policy made it
  * guidance-free) is valid only when the caches hold the conditional half alone. */
 mc_status mc_mar_caches_check_step(const mc_mar_caches *tc, const mc_mar_step *s, const char *policy, mc_err *err);

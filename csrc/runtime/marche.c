@@ -122,7 +122,7 @@ static mc_status marche_decoder(void *policy, const mc_mar_step *s, float *f, in
             tc->scores_host[i] = -tc->scores_host[i];
     float *xa;
     MC_TRY(mc_mar_caches_keep_rows(tc, s, f, mc->cfg.candidates ? P : 0, active, n_active, &xa, err));
-    MC_TRY(mc_mar_caches_cache_aware_layers(tc, xa, active, n_active, mc->cfg.full_layers, flops, err));
+    MC_TRY(mc_mar_caches_cache_aware_layers(tc, s, xa, active, n_active, mc->cfg.full_layers, flops, err));
     *out = xa;
     return MC_OK;
 }

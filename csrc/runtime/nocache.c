@@ -22,7 +22,7 @@ mc_status mc_mar_plain_transformer(mc_mar *mar, const mc_mar_step *step, float *
     stats->full = 1;
     stats->encoder_rows = Bp * (c->buffer_size + step->n_known);
     stats->decoder_rows = stats->decoder_kept_rows = Bp * (c->buffer_size + c->seq_len);
-    stats->flops = mc_mar_transformer_flops(c, Bp, step->n_known);
+    stats->flops = mc_mar_transformer_flops(c, Bp, step->n_known, step->n_pred);
     return mc_mar_transformer(mar, &batch, step->out_rows, step->n_out, z, err);
 }
 

@@ -47,7 +47,19 @@ class StepContext:
     known: int            # tokens known before the step, per image
     predicted: int        # tokens predicted now, per image
     predicted_before: int  # tokens predicted at the previous step
+    reference: bool = False  # count what the official code computes (flops(convention="reference"))
 
     @property
     def n_seq(self):
         return (2 if self.cfg_on else 1) * self.batch
+
+    def read(self, rows):
+        """Rows per sequence at which the engine computes the decoder's last block
+        (its outputs are read only there); None, every row, in the reference count."""
+        return None if self.reference else rows
+
+    def read_full_step(self, cond_cache):
+        """A cache policy's full step: with the condition cache (on this step) the last
+        block is read at every masked row (the diff later steps read there), without at
+        the predicted rows."""
+        return self.read(self.config["seq_len"] - self.known if cond_cache and self.cfg_on else self.predicted)

@@ -139,9 +139,9 @@ class LazyMAR:
         c, B = ctx.config, ctx.batch
         cond_cache = self.cond_cache and ctx.cfg_on
         if self.is_full_step(ctx.step) or not (self.token_cache or cond_cache):
-            return mar_family.plain_transformer(c, ctx.n_seq, ctx.known)
+            return mar_family.plain_transformer(c, ctx.n_seq, ctx.known, ctx.read_full_step(cond_cache))
         if not self.token_cache:  # condition cache alone: the conditional half only
-            return mar_family.plain_transformer(c, B, ctx.known)
+            return mar_family.plain_transformer(c, B, ctx.known, ctx.read(ctx.predicted))
         n = 2 * B if (ctx.cfg_on and not cond_cache) else B
         P, S = c["buffer_size"], c["seq_len"]
         L, q, keys = P + S, P + ctx.predicted_before, P + ctx.known
@@ -151,5 +151,5 @@ class LazyMAR:
         dec = embed + mar_family.decoder_layers(c, n, L, L, sel) + \
             mar_family.attn(n, L, L, c["decoder_width"]) + mar_family.mlp(n * keep, c["decoder_width"],
                                                                           c["decoder_mlp_hidden"]) + \
-            mar_family.decoder_layers(c, n, keep, L, depth - sel - 1)
+            mar_family.decoder_layers(c, n, keep, L, depth - sel - 1, ctx.read(ctx.predicted))
         return enc, dec

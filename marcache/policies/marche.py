@@ -110,7 +110,7 @@ class MARche:
         """(encoder, decoder) FLOPs of one AR step."""
         c, B = ctx.config, ctx.batch
         if self.is_full_step(ctx.step):
-            return mar_family.plain_transformer(c, ctx.n_seq, ctx.known)
+            return mar_family.plain_transformer(c, ctx.n_seq, ctx.known, ctx.read_full_step(self.cond_cache))
         n = 2 * B if (ctx.cfg_on and not (self.cond_cache and ctx.cfg_on)) else B
         P, S, Dd = c["buffer_size"], c["seq_len"], c["decoder_width"]
         L, F = P + S, self.full_layers
@@ -120,5 +120,5 @@ class MARche:
             enc, embed = mar_family.encoder(c, n, ctx.known, P + ctx.known, P + ctx.known)
         active = self.active_rows(ctx.predicted, ctx.predicted_before, L, S)
         dec = embed + mar_family.decoder_layers(c, n, L, L, F) + 2 * n * ctx.predicted * L * Dd + \
-            mar_family.decoder_layers(c, n, active, L, c["decoder_depth"] - F)
+            mar_family.decoder_layers(c, n, active, L, c["decoder_depth"] - F, ctx.read(ctx.predicted))
         return enc, dec

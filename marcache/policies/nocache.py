@@ -30,7 +30,7 @@ class NoCache:
 
     def transformer_flops(self, ctx):
         """(encoder, decoder) FLOPs of one MAR AR step."""
-        return mar_family.plain_transformer(ctx.config, ctx.n_seq, ctx.known)
+        return mar_family.plain_transformer(ctx.config, ctx.n_seq, ctx.known, ctx.read(ctx.predicted))
 
     def scale_flops(self, ctx):
         """(linear, attention) FLOPs of the blocks at one VAR scale (var_family.ScaleContext)."""
