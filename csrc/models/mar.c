@@ -432,6 +432,15 @@ static mc_status store_kv(mc_mar *m, const float *qkv, int64_t q_rows, int64_t d
     return MC_OK;
 }
 
+/* The attention's keys: the block's own k and v in qkv, or io's cache. */
+static mc_kv_segment block_keys(const float *qkv, int64_t q_rows, int64_t dim, const mc_mar_kv_io *io) {
+    if (io != NULL && io->k_attend != NULL)
+        return (mc_kv_segment){.k = io->k_attend, .v = io->v_attend, .rows = io->attend_rows, .ld = dim,
+                               .batch_stride = io->attend_cap * dim};
+    return (mc_kv_segment){.k = qkv + dim, .v = qkv + 2 * dim, .rows = q_rows, .ld = 3 * dim,
+                           .batch_stride = q_rows * 3 * dim};
+}
+
 static mc_status block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_t n_seq, int64_t q_rows,
                             int64_t dim, int64_t heads, const mc_mar_kv_io *io, mc_err *err) {
     mc_backend *be = m->backend;
@@ -449,15 +458,7 @@ static mc_status block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_
                        0.0f, qkv, 3 * dim, err));
     if (io != NULL)
         MC_TRY(store_kv(m, qkv, q_rows, dim, io, err));
-    mc_kv_segment kv = {.k = qkv + dim, .v = qkv + 2 * dim, .rows = q_rows, .ld = 3 * dim,
-                        .batch_stride = q_rows * 3 * dim};
-    if (io != NULL && io->k_attend != NULL) {
-        kv.k = io->k_attend;
-        kv.v = io->v_attend;
-        kv.rows = io->attend_rows;
-        kv.ld = dim;
-        kv.batch_stride = io->attend_cap * dim;
-    }
+    const mc_kv_segment kv = block_keys(qkv, q_rows, dim, io);
     MC_TRY(ops->attention(be, n_seq, q_rows, (int)heads, (int)head_dim,
                           (float)(1.0 / sqrt((double)head_dim)), qkv, 3 * dim, q_rows * 3 * dim,
                           &kv, 1, attn, dim, q_rows * dim, err));
@@ -585,15 +586,7 @@ static mc_status block_read_rows(mc_mar *m, const mc_mar_block *blk, float *x, i
                        blk->qkv_b + dim, 2 * dim, MC_ACT_NONE, 0.0f, qkv + dim, 3 * dim, err));
     if (io != NULL)
         MC_TRY(store_kv(m, qkv, q_rows, dim, io, err));
-    mc_kv_segment kv = {.k = qkv + dim, .v = qkv + 2 * dim, .rows = q_rows, .ld = 3 * dim,
-                        .batch_stride = q_rows * 3 * dim};
-    if (io != NULL && io->k_attend != NULL) {
-        kv.k = io->k_attend;
-        kv.v = io->v_attend;
-        kv.rows = io->attend_rows;
-        kv.ld = dim;
-        kv.batch_stride = io->attend_cap * dim;
-    }
+    const mc_kv_segment kv = block_keys(qkv, q_rows, dim, io);
     for (int g = 0; g < read->n_groups; g++)
         if (read->per_seq[g] > 0)
             MC_TRY(read_group(m, blk, x, n_seq, q_rows, dim, heads, hidden, ln, &kv, read->rows[g],
