@@ -110,8 +110,8 @@ def flops(model_or_name, steps=None, cfg=None, cache=None, batch=1, diffusion_st
     replace `diffusion_steps`). convention: "engine" counts what
     marcache computes (equal to the engine's telemetry); "reference" counts what the
     official PyTorch code computes for the same run (the decoder's last block on
-    every row, no hoisting in the diffusion head: the convention of the published MAR/LazyMAR FLOPs and of the spec's
-    derived tables).
+    every row, no hoisting in the diffusion head: the convention of the published
+    MAR/LazyMAR FLOPs and of the spec's derived tables).
 
     VAR: one step per scale (the model's patch_nums; `steps` and `diffusion_steps`
     do not apply); cfg != 0 (default 1.5) runs the unconditional half, two sequences

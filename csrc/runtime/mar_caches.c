@@ -288,7 +288,8 @@ mc_status mc_mar_caches_full_step(mc_mar_caches *tc, const mc_mar_step *s, float
     stats->full = 1;
     stats->encoder_rows = Bp * (P + s->n_known);
     stats->decoder_rows = stats->decoder_kept_rows = Bp * L;
-    stats->flops = mc_mar_transformer_flops(c, Bp, s->n_known, keep_diff ? mc_mar_read_rows_per_seq(&masked) : s->n_pred);
+    const int64_t read_per_seq = keep_diff ? mc_mar_read_rows_per_seq(&masked) : s->n_pred;
+    stats->flops = mc_mar_transformer_flops(c, Bp, s->n_known, read_per_seq);
     return MC_OK;
 }
 
