@@ -156,6 +156,16 @@ mc_status mc_mar_caches_init(mc_mar_caches *tc, mc_mar *mar, const mc_mar_run_sh
     return st;
 }
 
+/* Where `row` sits among a sequence's `keep` kept rows, or -1. The rows
+ * predicted now are forced into every kept set (mc_rows_choose), so -1 is
+ * an internal error. */
+static int64_t kept_slot(const int32_t *kept, int64_t keep, int32_t row) {
+    for (int64_t k = 0; k < keep; k++)
+        if (kept[k] == row)
+            return k;
+    return -1;
+}
+
 /* Output rows of the predicted positions: `x` holds `rows_per` rows per
  * sequence at positions `row_pos` (NULL: all P + S rows). The unconditional
  * half comes from the conditional rows plus the cached diff when the
@@ -175,13 +185,15 @@ static mc_status emit_outputs(mc_mar_caches *tc, const mc_mar_step *s, const flo
         for (int64_t b = 0; b < B; b++) {
             const int64_t seq = from_cache ? b : half * B + b;
             const int32_t *kept = row_pos ? row_pos + seq * rows_per : NULL;
-            int64_t k = 0;
             for (int64_t i = 0; i < s->n_pred; i++) {
                 int32_t row = (int32_t)(P + s->pred_pos[b * s->n_pred + i]);
-                if (kept != NULL)
-                    while (kept[k] != row)
-                        k++;
-                src[b * s->n_pred + i] = (int32_t)(seq * rows_per + (kept ? k : row));
+                const int64_t k = kept != NULL ? kept_slot(kept, rows_per, row) : row;
+                if (k < 0) {
+                    free(host);
+                    return mc_fail(err, MC_ERR_INTERNAL, "predicted row %d is not among sequence %lld's kept rows",
+                                   row, (long long)seq);
+                }
+                src[b * s->n_pred + i] = (int32_t)(seq * rows_per + k);
                 pos[b * s->n_pred + i] = s->pred_pos[b * s->n_pred + i];
                 extra[b * s->n_pred + i] = (int32_t)(b * L + row);
             }
@@ -434,22 +446,17 @@ mc_status mc_mar_caches_cache_aware_layers(mc_mar_caches *tc, const mc_mar_step 
     if (last < first)
         return MC_OK;
     /* The last layer's outputs are read at the predicted rows alone: where
-     * each sits among its sequence's kept rows (the rows are forced into
-     * every kept set, which is in ascending order; emit_outputs finds them
-     * the same way). */
-    for (int64_t q = 0; q < nc; q++) {
-        const int32_t *kq = kept + q * keep;
+     * each sits among its sequence's kept rows (kept_slot, as emit_outputs
+     * finds them afterwards). */
+    for (int64_t q = 0; q < nc; q++)
         for (int64_t i = 0; i < s->n_pred; i++) {
             const int32_t row = (int32_t)(P + s->pred_pos[(q % B) * s->n_pred + i]);
-            int64_t k = 0;
-            while (k < keep && kq[k] != row)
-                k++;
-            if (k == keep)
+            const int64_t k = kept_slot(kept + q * keep, keep, row);
+            if (k < 0)
                 return mc_fail(err, MC_ERR_INTERNAL, "predicted row %d is not among sequence %lld's kept rows", row,
                                (long long)q);
             tc->read_rows[q * s->n_pred + i] = (int32_t)k;
         }
-    }
     const mc_mar_read_rows predicted = {.n_groups = 1, .rows = {tc->read_rows}, .per_seq = {s->n_pred}};
     mc_mar_kv_io io = {.k_store = tc->dec_k[last], .v_store = tc->dec_v[last], .store_seq = nc, .store_cap = L,
                        .store_slots = kept, .k_attend = tc->dec_k[last], .v_attend = tc->dec_v[last],
