@@ -22,6 +22,12 @@ threads: every call on OpenBLAS, split by rows (MARCACHE_GEMM_SPLIT=rows) agains
 columns (cols), and the split the default (auto) picks for that shape:
 
     python benchmarks/bench_linear.py --split --rows 100 200 330 514 642 --shapes 768x2304 3072x768
+
+With --weight-mib N the weights make N MiB instead of 128 (each pass still reads 128 MiB,
+going over them again): at a few MiB they stay in the L3, as the ~17 MB that the head
+cache's reused evaluations read at each diffusion step do at batch 1:
+
+    python benchmarks/bench_linear.py --weight-mib 4 --rows 1 2 3 4 6 8 --shapes 1024x1024
 """
 import argparse
 import os
@@ -47,6 +53,8 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="INxOUT of the weight")
     ap.add_argument("--split", action="store_true",
                     help="compare the row and column splits of OpenBLAS GEMMs instead of the two paths")
+    ap.add_argument("--weight-mib", type=int, default=128,
+                    help="the MiB of weights each pass runs through (default 128: beyond the L3)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     shapes = []
@@ -56,8 +64,8 @@ def main():
         except ValueError:
             ap.error(f"--shapes {s!r}: expected INxOUT, e.g. 1024x3072")
         shapes.append((inp, out))
-    if min(args.rows) < 1 or args.threads < 1:
-        ap.error("--rows and --threads must be positive")
+    if min(args.rows) < 1 or args.threads < 1 or args.weight_mib < 1:
+        ap.error("--rows, --threads and --weight-mib must be positive")
 
     exe = os.path.join(HERE, ".cache", "linear_threshold")
     os.makedirs(os.path.dirname(exe), exist_ok=True)
@@ -70,7 +78,7 @@ def main():
     print(f"small-row ISA {info['cpu_isa']}; default thresholds: panels rows <= {info['panel_max']}, "
           f"lanes rows <= {info['smallrow_max']} "
           f"(MARCACHE_SMALLROW_MAX={os.environ.get('MARCACHE_SMALLROW_MAX', 'unset')}); threads {args.threads}; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"weights {args.weight_mib} MiB per shape; load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.split:
         return split_table(args, exe, shapes, peak)
     rows_out, results = [], []
@@ -86,14 +94,15 @@ def main():
                  "panels / OpenBLAS", "default path (fp32)"], rows_out)
     if args.json:
         write_json(args.json, threads=args.threads, sgemm_gflops=peak, smallrow_max=info["smallrow_max"],
-                   panel_max=info["panel_max"], results=results)
+                   panel_max=info["panel_max"], weight_mib=args.weight_mib, results=results)
 
 
 def harness_lines(exe, mode, args, shapes):
     """(in, out, fields of one output line) for every row count of every shape, from one
     run of the harness per shape (`mode`: its options before THREADS)."""
     for inp, out in shapes:
-        text = subprocess.run([exe, *mode, str(args.threads), str(inp), str(out), *map(str, args.rows)],
+        text = subprocess.run([exe, "--weight-mib", str(args.weight_mib), *mode, str(args.threads), str(inp),
+                               str(out), *map(str, args.rows)],
                               check=True, capture_output=True, text=True).stdout
         for line in text.split("\n"):
             if line.strip():
@@ -116,7 +125,8 @@ def split_table(args, exe, shapes, peak):
     print_table(["in x out", "rows", "row split GFLOP/s", "column split GFLOP/s", "columns / rows", "auto picks"],
                 rows_out)
     if args.json:
-        write_json(args.json, threads=args.threads, sgemm_gflops=peak, split=True, results=results)
+        write_json(args.json, threads=args.threads, sgemm_gflops=peak, split=True, weight_mib=args.weight_mib,
+                   results=results)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
  * (issue 23: where the small-row kernel should hand over to OpenBLAS).
  * Built and run by benchmarks/bench_linear.py; not part of the module.
  *
- *   linear_threshold THREADS IN OUT ROWS...
- *   linear_threshold --split THREADS IN OUT ROWS...
+ *   linear_threshold [--weight-mib N] THREADS IN OUT ROWS...
+ *   linear_threshold [--weight-mib N] --split THREADS IN OUT ROWS...
  *
  * Three CPU backends are made through the module's own factory, with
  * MARCACHE_SMALLROW_MAX=4096 and the column panels on (every call on the
@@ -14,7 +14,11 @@
  * model's is. The weights are as many
  * [OUT, IN] fp32 matrices as make 128 MiB, more than the L3 of the machines
  * at hand, and each timed pass runs x [ROWS, IN] through all of them in turn,
- * so every call reads its W from memory, as the engine's layers do. The
+ * so every call reads its W from memory, as the engine's layers do. With
+ * --weight-mib N they make N MiB instead (at least one matrix), and a pass
+ * runs through them as many times as reads 128 MiB: a few MiB stay in the
+ * L3, as the weights of the head cache's reused evaluations do (MAR-B: 17
+ * MB, read again at each of them). The
  * paths alternate pass by pass; the best of 5 passes each is printed as
  *   ROWS panels GFLOP/s  lanes GFLOP/s  OpenBLAS GFLOP/s
  * With --split both backends run every call on OpenBLAS (threshold 0), one
@@ -49,13 +53,19 @@ static mc_backend *make_backend(const char *smallrow_max, const char *gemm_split
 }
 
 int main(int argc, char **argv) {
+    int64_t weight_mib = 128;
+    if (argc > 2 && strcmp(argv[1], "--weight-mib") == 0) {
+        weight_mib = atol(argv[2]);
+        argc -= 2;
+        argv += 2;
+    }
     const int split_mode = argc > 1 && strcmp(argv[1], "--split") == 0;
     if (split_mode) {
         argc--;
         argv++;
     }
-    if (argc < 5) {
-        fprintf(stderr, "usage: linear_threshold [--split] THREADS IN OUT ROWS...\n");
+    if (argc < 5 || weight_mib < 1) {
+        fprintf(stderr, "usage: linear_threshold [--weight-mib N] [--split] THREADS IN OUT ROWS...\n");
         return 2;
     }
     const int threads = atoi(argv[1]);
@@ -68,8 +78,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "linear_threshold: THREADS, IN, OUT and ROWS must be positive\n");
         return 2;
     }
-    int64_t nmat = (128ll << 20) / (in * out * (int64_t)sizeof(float));
+    const int64_t matrix_bytes = in * out * (int64_t)sizeof(float);
+    int64_t nmat = (weight_mib << 20) / matrix_bytes;
     nmat = nmat < 1 ? 1 : nmat;
+    /* Passes over the set that read 128 MiB (1 with the default set). */
+    int64_t sweeps = (128ll << 20) / (nmat * matrix_bytes);
+    sweeps = sweeps < 1 ? 1 : sweeps;
     float *w = malloc((size_t)(nmat * in * out) * sizeof(float));
     float *x = malloc((size_t)(max_rows * in) * sizeof(float));
     float *y = malloc((size_t)(max_rows * out) * sizeof(float));
@@ -107,16 +121,16 @@ int main(int argc, char **argv) {
             const int p = pass % npaths;
             mc_err err = {0};
             const double t0 = seconds();
-            for (int64_t m = 0; m < nmat; m++)
-                if (paths[p]->ops->linear(paths[p], x, in, rows, in, w + m * in * out, bias, out, MC_ACT_NONE, 0.0f,
-                                          y, out, &err) != MC_OK) {
+            for (int64_t m = 0; m < nmat * sweeps; m++)
+                if (paths[p]->ops->linear(paths[p], x, in, rows, in, w + (m % nmat) * in * out, bias, out,
+                                          MC_ACT_NONE, 0.0f, y, out, &err) != MC_OK) {
                     fprintf(stderr, "linear_threshold: linear: %s\n", err.msg);
                     return 2;
                 }
             const double dt = seconds() - t0;
             best[p] = dt < best[p] ? dt : best[p];
         }
-        const double flop = 2.0 * (double)rows * (double)in * (double)out * (double)nmat;
+        const double flop = 2.0 * (double)rows * (double)in * (double)out * (double)(nmat * sweeps);
         if (split_mode)
             printf("%lld %.2f %.2f %s\n", (long long)rows, flop / best[0] / 1e9, flop / best[1] / 1e9,
                    mc_cpu_sgemm_splits_rows(threads, rows, out) ? "rows" : "cols");

@@ -287,6 +287,13 @@ def test_the_threshold_benchmark_builds_and_times_both_paths(tmp_path):
     assert all(float(v) > 0 for r in rows for v in r[1:])
     bad = subprocess.run([exe, "1", "0", "128", "3"], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "must be positive" in bad.stderr
+    # --weight-mib (bench_linear.py --weight-mib): a smaller set, gone over again.
+    out = subprocess.run([exe, "--weight-mib", "1", "1", "256", "128", "3"], capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout
+    assert out.split()[0] == "3" and all(float(v) > 0 for v in out.split()[1:])
+    bad = subprocess.run([exe, "--weight-mib", "0", "1", "256", "128", "3"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert bad.returncode == 2 and "usage" in bad.stderr
     # --split (bench_linear.py --split): both splits timed, and the one the default picks:
     # columns up to 600 rows when each of the 2 threads gets 256 columns, rows above.
     out = subprocess.run([exe, "--split", "2", "64", "512", "100", "601"], capture_output=True, text=True,
@@ -439,18 +446,20 @@ def test_the_gemm_split_keeps_the_result(rows, inp, out):
 
 
 # Row counts around the panel kernels' register blocks (AVX-512: 14 rows, AVX2: 6; a call
-# is cut into blocks as even as possible: 15 = 8 + 7, 29 = 10 + 10 + 9), the head's 8-14
-# and the thresholds; outputs that no panel width divides (a partial last panel). With
+# is cut into blocks as even as possible: 15 = 8 + 7, 29 = 10 + 10 + 9), AVX-512's two panels
+# at a time up to 6 rows (80 outputs: a pair, then a partial panel alone; 97: two pairs, the
+# second's second panel one output), the head's 8-14 and the thresholds; outputs that no
+# panel width divides (a partial last panel). With
 # 1024 inputs a thread runs x in chunks of 4 AVX-512 blocks (MC_PANEL_X_CHUNK_BYTES, 256
 # KiB: 56 rows) or 10 AVX2 ones (60 rows) over each panel, so from 57 rows a call crosses
 # chunks; with 2 threads each packs a share of x's inputs for both.
-PANEL_ROWS = [1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 57, 96, 97, 255, 256, 300, 768]
+PANEL_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14, 15, 28, 29, 43, 57, 96, 97, 255, 256, 300, 768]
 
 
 @pytest.mark.parametrize("rows", PANEL_ROWS)
 @pytest.mark.parametrize("isa", ISAS)
 def test_panels_compute_one_fma_chain_per_output_for_every_block_shape(isa, rows):
-    shapes = ((37, 29, 1), (160, 97, 2), (64, 320, 2)) + (((1024, 70, 2),) if rows >= 43 else ())
+    shapes = ((37, 29, 1), (48, 80, 1), (160, 97, 2), (64, 320, 2)) + (((1024, 70, 2),) if rows >= 43 else ())
     for inp, out, threads in shapes:
         x, w, b, y = make_inputs(rows * 31 + inp, rows, inp, out, True, True, strided=True)
         # Every ISA on its panels at every row count here, whatever its default threshold.

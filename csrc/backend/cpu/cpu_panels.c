@@ -26,11 +26,12 @@
  *
  * The order: output (r, o) accumulates x[r][i] * W[o][i] for i = 0, 1, ...
  * with one fma each into one float (from +0), then the epilogue of the lane
- * kernel (+ bias, activation, + y). Blocking rows or splitting outputs never
- * changes it, so AVX-512, AVX2 and the plain loop agree bit for bit however
- * a call is cut, and a row's result does not depend on the call's other
- * rows. It is another order than the lane kernel's and OpenBLAS's, within
- * the same float32 error. */
+ * kernel (+ bias, activation, + y). Blocking rows, splitting outputs or
+ * running two panels at once (AVX-512 at <= 6 rows) never changes it, so
+ * AVX-512, AVX2 and the plain loop agree bit for bit however a call is cut,
+ * and a row's result does not depend on the call's other rows. It is
+ * another order than the lane kernel's and OpenBLAS's, within the same
+ * float32 error. */
 #include <math.h>
 #include <stdio.h>
 #include <omp.h>
@@ -53,6 +54,18 @@
  * time, 6 x 2 + 2 + 1 = 15 of 16. */
 #define MC_PANEL_ROWS_AVX512 14
 #define MC_PANEL_ROWS_AVX2 6
+/* At most this many rows, the AVX-512 kernel runs two panels at a time. With
+ * one, R rows keep 2 R accumulator chains in flight, and at R = 4 (8 chains)
+ * a core reached 72% of the rate it reaches from 6 rows (linear_threshold.c,
+ * 1024 x 1024, weights in L3, one thread: 80 against 111 GFLOP/s). That is
+ * where the head cache's reused evaluations run at batch 1 (the conditional
+ * rows alone, ~4, over ~17 MB of gates and final adaLN weights, which stay
+ * in L3 from one diffusion step to the next); two panels double the chains:
+ * 1.08-1.15x at 3-4 rows there, a tie with the weights beyond L3 (memory
+ * bound) (benchmarks/results/panel-pairs-2026-11-29.md). 6 x 4 accumulators
+ * + 4 weight vectors + 1 broadcast = 29 of 32 registers. AVX2 (16
+ * registers) stays on one panel: not measured on an AVX2 machine. */
+#define MC_PANEL_PAIR_ROWS_AVX512 6
 /* The rows of x a thread runs over one panel before the next: chunks of
  * register blocks of about this many bytes, so that with a panel (in x 128
  * bytes) they stay in a 512 KiB L2 while the panels stream past. One chunk
@@ -271,6 +284,33 @@ static void panel_plain(const mc_panel_job *j, int64_t o_begin, int64_t o_end) {
         }                                                                                                  \
     }
 
+/* The same over two adjacent panels (pw, and pw + in x 32 floats) for R <=
+ * MAXR rows, sums [R][64]: each output's fma chain is the one-panel form's,
+ * so the bits do not change. */
+#define PANEL_PAIR(isa, vec, VW, load, bcast, fma, store, zero, MAXR)                                       \
+    static inline __attribute__((always_inline)) void panel_##isa##_pair_rows(                             \
+        const float *pw, const float *xt, int64_t in, const int R, float *sums) {                          \
+        const float *pw2 = pw + in * MC_PANEL_COLS;                                                        \
+        vec acc[MAXR][4];                                                                                  \
+        for (int r = 0; r < R; r++)                                                                        \
+            acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = zero();                                        \
+        for (int64_t i = 0; i < in; i++) {                                                                 \
+            const vec w0 = load(pw + i * MC_PANEL_COLS), w1 = load(pw + i * MC_PANEL_COLS + VW);           \
+            const vec w2 = load(pw2 + i * MC_PANEL_COLS), w3 = load(pw2 + i * MC_PANEL_COLS + VW);         \
+            const float *xi = xt + i * R;                                                                  \
+            for (int r = 0; r < R; r++) {                                                                  \
+                const vec xb = bcast(xi + r);                                                              \
+                acc[r][0] = fma(w0, xb, acc[r][0]);                                                        \
+                acc[r][1] = fma(w1, xb, acc[r][1]);                                                        \
+                acc[r][2] = fma(w2, xb, acc[r][2]);                                                        \
+                acc[r][3] = fma(w3, xb, acc[r][3]);                                                        \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < R; r++)                                                                        \
+            for (int k = 0; k < 4; k++)                                                                    \
+                store(sums + r * 2 * MC_PANEL_COLS + k * VW, acc[r][k]);                                   \
+    }
+
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 static inline __attribute__((always_inline)) __m512 p512_load(const float *p) { return _mm512_load_ps(p); }
@@ -289,6 +329,20 @@ static void panel_avx512_block(const float *pw, const float *xt, int64_t in, int
     case n: panel_avx512_rows(pw, xt, in, n, sums); break;
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7)
         PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12) PANEL_CASE(13) PANEL_CASE(14)
+#undef PANEL_CASE
+    default: break;
+    }
+}
+
+PANEL_PAIR(avx512, __m512, 16, p512_load, p512_bcast, p512_fma, p512_store, p512_zero, MC_PANEL_PAIR_ROWS_AVX512)
+
+/* One register block of at most MC_PANEL_PAIR_ROWS_AVX512 rows over two
+ * panels (64 outputs). */
+static void panel_avx512_pair(const float *pw, const float *xt, int64_t in, int R, float *sums) {
+    switch (R) {
+#define PANEL_CASE(n) \
+    case n: panel_avx512_pair_rows(pw, xt, in, n, sums); break;
+        PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
 #undef PANEL_CASE
     default: break;
     }
@@ -329,14 +383,34 @@ typedef void (*panel_block_fn)(const float *pw, const float *xt, int64_t in, int
  * of rows by chunk (MC_PANEL_X_CHUNK_BYTES), within it panel by panel, every
  * register block of the chunk over the panel (the first streams the panel
  * from memory or L3, the others find it in L2), each block's sums stored
- * through the epilogue, then vector_act (GELU or SiLU) over them. */
+ * through the epilogue, then vector_act (GELU or SiLU) over them. With
+ * `pair` (NULL for none) and at most pair_rows rows, two panels at a time
+ * (the last one alone when the slice has an odd count; a partial second
+ * panel is computed whole from its zero padding and stored in part). */
 static void panel_vector(mc_cpu_isa isa, mc_act vector_act, panel_block_fn block, int block_rows_max,
-                         const mc_panel_job *j, int64_t o_begin, int64_t o_end) {
+                         panel_block_fn pair, int pair_rows, const mc_panel_job *j, int64_t o_begin,
+                         int64_t o_end) {
     const mc_smallrow_job s = store_job(j);
     const int64_t blocks = (j->rows + block_rows_max - 1) / block_rows_max;
     const int64_t block_bytes = (int64_t)block_rows_max * j->in * (int64_t)sizeof(float);
     const int64_t chunk = block_bytes < MC_PANEL_X_CHUNK_BYTES ? MC_PANEL_X_CHUNK_BYTES / block_bytes : 1;
     _Alignas(64) float sums[MC_PANEL_ROWS_AVX512 * MC_PANEL_COLS];
+    if (pair != NULL && j->rows <= pair_rows) {
+        const int nr = (int)j->rows;
+        int64_t o0 = o_begin;
+        for (; o_end - o0 > MC_PANEL_COLS; o0 += 2 * MC_PANEL_COLS) {
+            const int no = (int)(o_end - o0 < 2 * MC_PANEL_COLS ? o_end - o0 : 2 * MC_PANEL_COLS);
+            pair(j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS, j->xt, j->in, nr, sums);
+            mc_smallrow_store(&s, 0, nr, o0, no, sums, 2 * MC_PANEL_COLS);
+            mc_cpu_slice_act(isa, vector_act, j->y, j->ldy, nr, o0, o0 + no);
+        }
+        if (o0 < o_end) {
+            block(j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS, j->xt, j->in, nr, sums);
+            mc_smallrow_store(&s, 0, nr, o0, (int)(o_end - o0), sums, MC_PANEL_COLS);
+            mc_cpu_slice_act(isa, vector_act, j->y, j->ldy, nr, o0, o_end);
+        }
+        return;
+    }
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
         for (int64_t o0 = o_begin; o0 < o_end; o0 += MC_PANEL_COLS) {
@@ -368,11 +442,12 @@ static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, in
         k.act = MC_ACT_NONE; /* beta is 0 with an activation (linear refuses the pair) */
 #if MC_PANEL_X86
     if (isa == MC_CPU_ISA_AVX512) {
-        panel_vector(isa, vector_act, panel_avx512_block, MC_PANEL_ROWS_AVX512, &k, begin, end);
+        panel_vector(isa, vector_act, panel_avx512_block, MC_PANEL_ROWS_AVX512, panel_avx512_pair,
+                     MC_PANEL_PAIR_ROWS_AVX512, &k, begin, end);
         return;
     }
     if (isa == MC_CPU_ISA_AVX2) {
-        panel_vector(isa, vector_act, panel_avx2_block, MC_PANEL_ROWS_AVX2, &k, begin, end);
+        panel_vector(isa, vector_act, panel_avx2_block, MC_PANEL_ROWS_AVX2, NULL, 0, &k, begin, end);
         return;
     }
 #endif
