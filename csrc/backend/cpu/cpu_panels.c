@@ -257,58 +257,37 @@ static void panel_plain(const mc_panel_job *j, int64_t o_begin, int64_t o_end) {
 
 #if MC_PANEL_X86
 
-/* The loop over a panel for one register block, written once per ISA:
- * PANEL_BLOCK(isa, vec, VW, load, bcast, fma, store, MAXR) defines
- * panel_<isa>_rows(pw, xt, in, R, sums) for R <= MAXR rows (xt: the block,
- * [in][R]), 2 * VW outputs from pw (stride 32 floats) into sums (stride 32),
- * and panel_<isa>_block, which instantiates it for each constant R so the
- * accumulators live in registers. */
-#define PANEL_BLOCK(isa, vec, VW, load, bcast, fma, store, zero, MAXR)                                      \
-    static inline __attribute__((always_inline)) void panel_##isa##_rows(const float *pw, const float *xt, \
-                                                                        int64_t in, const int R, float *sums) { \
-        vec acc[MAXR][2];                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            acc[r][0] = acc[r][1] = zero();                                                                \
-        for (int64_t i = 0; i < in; i++) {                                                                 \
-            const vec w0 = load(pw + i * MC_PANEL_COLS), w1 = load(pw + i * MC_PANEL_COLS + VW);           \
-            const float *xi = xt + i * R;                                                                  \
-            for (int r = 0; r < R; r++) {                                                                  \
-                const vec xb = bcast(xi + r);                                                              \
-                acc[r][0] = fma(w0, xb, acc[r][0]);                                                        \
-                acc[r][1] = fma(w1, xb, acc[r][1]);                                                        \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int r = 0; r < R; r++) {                                                                      \
-            store(sums + r * MC_PANEL_COLS, acc[r][0]);                                                    \
-            store(sums + r * MC_PANEL_COLS + VW, acc[r][1]);                                               \
-        }                                                                                                  \
-    }
-
-/* The same over two adjacent panels (pw, and pw + in x 32 floats) for R <=
- * MAXR rows, sums [R][64]: each output's fma chain is the one-panel form's,
- * so the bits do not change. */
-#define PANEL_PAIR(isa, vec, VW, load, bcast, fma, store, zero, MAXR)                                       \
-    static inline __attribute__((always_inline)) void panel_##isa##_pair_rows(                             \
-        const float *pw, const float *xt, int64_t in, const int R, float *sums) {                          \
-        const float *pw2 = pw + in * MC_PANEL_COLS;                                                        \
-        vec acc[MAXR][4];                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = zero();                                        \
-        for (int64_t i = 0; i < in; i++) {                                                                 \
-            const vec w0 = load(pw + i * MC_PANEL_COLS), w1 = load(pw + i * MC_PANEL_COLS + VW);           \
-            const vec w2 = load(pw2 + i * MC_PANEL_COLS), w3 = load(pw2 + i * MC_PANEL_COLS + VW);         \
-            const float *xi = xt + i * R;                                                                  \
-            for (int r = 0; r < R; r++) {                                                                  \
-                const vec xb = bcast(xi + r);                                                              \
-                acc[r][0] = fma(w0, xb, acc[r][0]);                                                        \
-                acc[r][1] = fma(w1, xb, acc[r][1]);                                                        \
-                acc[r][2] = fma(w2, xb, acc[r][2]);                                                        \
-                acc[r][3] = fma(w3, xb, acc[r][3]);                                                        \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int k = 0; k < 4; k++)                                                                    \
-                store(sums + r * 2 * MC_PANEL_COLS + k * VW, acc[r][k]);                                   \
+/* The loop over NP adjacent panels (1 or 2) for one register block, written
+ * once: PANEL_BLOCK(name, NP, vec, VW, load, bcast, fma, store, zero, MAXR)
+ * defines name(pw, xt, in, R, sums) for R <= MAXR rows (xt: the block,
+ * [in][R]), 2 * VW outputs from each of the NP panels at pw, pw + in x 32
+ * floats, ... (stride 32 floats) into sums (stride NP x 32). Each output is
+ * its own fma chain over the inputs in order whatever NP, so NP does not
+ * change the bits. The callers (panel_<isa>_block, panel_avx512_pair)
+ * instantiate it for each constant R so the accumulators live in registers. */
+#define PANEL_BLOCK(name, NP, vec, VW, load, bcast, fma, store, zero, MAXR)                                  \
+    static inline __attribute__((always_inline)) void name(const float *pw, const float *xt, int64_t in,   \
+                                                           const int R, float *sums) {                      \
+        vec acc[MAXR][2 * (NP)];                                                                            \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int k = 0; k < 2 * (NP); k++)                                                              \
+                acc[r][k] = zero();                                                                         \
+        for (int64_t i = 0; i < in; i++) {                                                                  \
+            vec w[2 * (NP)];                                                                                \
+            for (int p = 0; p < (NP); p++) {                                                                \
+                w[2 * p] = load(pw + (p * in + i) * MC_PANEL_COLS);                                         \
+                w[2 * p + 1] = load(pw + (p * in + i) * MC_PANEL_COLS + VW);                                \
+            }                                                                                               \
+            const float *xi = xt + i * R;                                                                   \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const vec xb = bcast(xi + r);                                                               \
+                for (int k = 0; k < 2 * (NP); k++)                                                          \
+                    acc[r][k] = fma(w[k], xb, acc[r][k]);                                                   \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int k = 0; k < 2 * (NP); k++)                                                              \
+                store(sums + r * (NP) * MC_PANEL_COLS + k * VW, acc[r][k]);                                 \
     }
 
 #pragma GCC push_options
@@ -320,7 +299,8 @@ static inline __attribute__((always_inline)) __m512 p512_fma(__m512 w, __m512 x,
 }
 static inline __attribute__((always_inline)) void p512_store(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline __attribute__((always_inline)) __m512 p512_zero(void) { return _mm512_setzero_ps(); }
-PANEL_BLOCK(avx512, __m512, 16, p512_load, p512_bcast, p512_fma, p512_store, p512_zero, MC_PANEL_ROWS_AVX512)
+PANEL_BLOCK(panel_avx512_rows, 1, __m512, 16, p512_load, p512_bcast, p512_fma, p512_store, p512_zero,
+            MC_PANEL_ROWS_AVX512)
 
 /* One register block over a whole panel (32 outputs). */
 static void panel_avx512_block(const float *pw, const float *xt, int64_t in, int R, float *sums) {
@@ -334,7 +314,8 @@ static void panel_avx512_block(const float *pw, const float *xt, int64_t in, int
     }
 }
 
-PANEL_PAIR(avx512, __m512, 16, p512_load, p512_bcast, p512_fma, p512_store, p512_zero, MC_PANEL_PAIR_ROWS_AVX512)
+PANEL_BLOCK(panel_avx512_pair_rows, 2, __m512, 16, p512_load, p512_bcast, p512_fma, p512_store, p512_zero,
+            MC_PANEL_PAIR_ROWS_AVX512)
 
 /* One register block of at most MC_PANEL_PAIR_ROWS_AVX512 rows over two
  * panels (64 outputs). */
@@ -358,7 +339,8 @@ static inline __attribute__((always_inline)) __m256 p256_fma(__m256 w, __m256 x,
 }
 static inline __attribute__((always_inline)) void p256_store(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline __attribute__((always_inline)) __m256 p256_zero(void) { return _mm256_setzero_ps(); }
-PANEL_BLOCK(avx2, __m256, 8, p256_load, p256_bcast, p256_fma, p256_store, p256_zero, MC_PANEL_ROWS_AVX2)
+PANEL_BLOCK(panel_avx2_rows, 1, __m256, 8, p256_load, p256_bcast, p256_fma, p256_store, p256_zero,
+            MC_PANEL_ROWS_AVX2)
 
 /* One register block over a whole panel: its two halves of 16 outputs (the
  * second reads the panel from L2). */
