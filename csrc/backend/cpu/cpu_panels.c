@@ -361,6 +361,11 @@ static void panel_avx2_block(const float *pw, const float *xt, int64_t in, int R
 
 typedef void (*panel_block_fn)(const float *pw, const float *xt, int64_t in, int R, float *sums);
 
+/* The panel that holds output o0 (a multiple of 32) of the job's weight. */
+static const float *panel_at(const mc_panel_job *j, int64_t o0) {
+    return j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS;
+}
+
 /* Outputs [o_begin, o_end) (o_begin a multiple of 32) with `block`: chunk
  * of rows by chunk (MC_PANEL_X_CHUNK_BYTES), within it panel by panel, every
  * register block of the chunk over the panel (the first streams the panel
@@ -378,25 +383,22 @@ static void panel_vector(mc_cpu_isa isa, mc_act vector_act, panel_block_fn block
     const int64_t chunk = block_bytes < MC_PANEL_X_CHUNK_BYTES ? MC_PANEL_X_CHUNK_BYTES / block_bytes : 1;
     _Alignas(64) float sums[MC_PANEL_ROWS_AVX512 * MC_PANEL_COLS];
     if (pair != NULL && j->rows <= pair_rows) {
+        /* One block of all rows; two panels while the slice has outputs in both. */
         const int nr = (int)j->rows;
-        int64_t o0 = o_begin;
-        for (; o_end - o0 > MC_PANEL_COLS; o0 += 2 * MC_PANEL_COLS) {
-            const int no = (int)(o_end - o0 < 2 * MC_PANEL_COLS ? o_end - o0 : 2 * MC_PANEL_COLS);
-            pair(j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS, j->xt, j->in, nr, sums);
-            mc_smallrow_store(&s, 0, nr, o0, no, sums, 2 * MC_PANEL_COLS);
+        for (int64_t o0 = o_begin; o0 < o_end;) {
+            const int width = (o_end - o0 > MC_PANEL_COLS ? 2 : 1) * MC_PANEL_COLS;
+            const int no = (int)(o_end - o0 < width ? o_end - o0 : width);
+            (width > MC_PANEL_COLS ? pair : block)(panel_at(j, o0), j->xt, j->in, nr, sums);
+            mc_smallrow_store(&s, 0, nr, o0, no, sums, width);
             mc_cpu_slice_act(isa, vector_act, j->y, j->ldy, nr, o0, o0 + no);
-        }
-        if (o0 < o_end) {
-            block(j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS, j->xt, j->in, nr, sums);
-            mc_smallrow_store(&s, 0, nr, o0, (int)(o_end - o0), sums, MC_PANEL_COLS);
-            mc_cpu_slice_act(isa, vector_act, j->y, j->ldy, nr, o0, o_end);
+            o0 += width;
         }
         return;
     }
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
         for (int64_t o0 = o_begin; o0 < o_end; o0 += MC_PANEL_COLS) {
-            const float *pw = j->panels + (o0 / MC_PANEL_COLS) * j->in * MC_PANEL_COLS;
+            const float *pw = panel_at(j, o0);
             const int no = (int)(o_end - o0 < MC_PANEL_COLS ? o_end - o0 : MC_PANEL_COLS);
             for (int64_t b = b0; b < b1; b++) {
                 int nr;
