@@ -9,7 +9,11 @@ batch and class labels; model loading is not timed. Every timed run is a fresh p
 --marcache-run for marcache), and the runs alternate: round r runs every
 (implementation, policy) once, in an order rotated by r, so a change in the machine's
 load falls on all alike. The ratio is official seconds / marcache seconds, medians
-over the rounds.
+over the rounds; beside it, the spread of the rounds' own ratios (official / marcache
+within one round: the two runs were neighbours, so the spread is the machine's noise
+the ratio of medians carries). The sgemm rate the phases are read against is measured
+before and after the rounds (the larger is used: on a shared host one measurement
+can catch a slow moment).
 
 --load busy runs the same table while a second process keeps both cores busy:
 `--busy-procs` (default 2) plain Python processes spinning `while True: pass` at the
@@ -85,6 +89,28 @@ def marcache_run(args):
     print(json.dumps(dict(impl="marcache", seconds=seconds, phases=phases)))
 
 
+def ratio_rows(times, loads, batches, policies):
+    """One row per (load, batch, policy) from times[(load, batch, policy, impl)], each
+    impl's seconds in round order: the medians over the rounds, their ratio (official /
+    marcache) and every round's own ratio."""
+    rows = []
+    for load in loads:
+        for batch in batches:
+            for policy in policies:
+                off = times[(load, batch, policy, "official")]
+                ours = times[(load, batch, policy, "marcache")]
+                rows.append(dict(load=load, batch=batch, policy=policy, official=statistics.median(off),
+                                 marcache=statistics.median(ours),
+                                 ratio=statistics.median(off) / statistics.median(ours),
+                                 round_ratios=[o / m for o, m in zip(off, ours)]))
+    return rows
+
+
+def spread(ratios):
+    """min / median / max of the rounds' ratios, as printed in the table."""
+    return f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}x"
+
+
 def timed(cmd, env):
     """Run one timed process; its last stdout line is its JSON result."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -142,7 +168,8 @@ def main():
         return [sys.executable, os.path.abspath(__file__), "--marcache-run", "--policy", policy,
                 "--batch", str(batch), "--dtype", args.dtype, "--model", args.model] + common
 
-    peak, shapes = sgemm_rate([(2048, 2048, 2048), (64, 3072, 1024)], 3)
+    sgemm_shapes = [(2048, 2048, 2048), (64, 3072, 1024)]
+    peak_before, shapes = sgemm_rate(sgemm_shapes, 3)
     print_machine(shapes)
     torch_info = None
     times = {}  # (load, batch, policy, impl) -> [seconds]
@@ -167,21 +194,19 @@ def main():
                 finally:
                     stop_busy(busy)
 
+    peak_after, _ = sgemm_rate(sgemm_shapes, 3)
+    peak = max(peak_before, peak_after)
     print()
     print(f"{args.model} (random weights), {args.steps} steps, cfg {args.cfg} linear, threads={args.threads}, "
           f"marcache {args.dtype}; official: PyTorch {torch_info['torch']} ({torch_info['cpu_capability']}); "
-          f"medians of {args.rounds} alternated rounds; sgemm peak {peak:.1f} GFLOP/s")
-    rows = []
-    for load in args.load:
-        for batch in args.batches:
-            for policy in args.policies:
-                off = statistics.median(times[(load, batch, policy, "official")])
-                ours = statistics.median(times[(load, batch, policy, "marcache")])
-                rows.append(dict(load=load, batch=batch, policy=policy, official=off, marcache=ours,
-                                 ratio=off / ours))
-    print_table(["load", "batch", "policy", "official s/image", "marcache s/image", "ratio"],
+          f"medians of {args.rounds} alternated rounds; sgemm peak {peak:.1f} GFLOP/s (before {peak_before:.1f}, "
+          f"after {peak_after:.1f})")
+    rows = ratio_rows(times, args.load, args.batches, args.policies)
+    print_table(["load", "batch", "policy", "official s/image", "marcache s/image", "ratio",
+                 "rounds' ratios (min / median / max)"],
                 [[r["load"], r["batch"], r["policy"], f"{r['official'] / r['batch']:.2f}",
-                  f"{r['marcache'] / r['batch']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
+                  f"{r['marcache'] / r['batch']:.2f}", f"{r['ratio']:.2f}x", spread(r["round_ratios"])]
+                 for r in rows])
     print()
     print("marcache by phase (the engine's telemetry of its fastest run; s/image, GFLOP/s, % of the sgemm peak):")
     for key, runs in phases.items():
@@ -191,7 +216,8 @@ def main():
         parts = [f"{name} {p['seconds'] / key[1]:.1f} s, {p['flops'] / max(p['seconds'], 1e-9) / 1e9:.0f}"
                  for name, p in best.items()]
         print(f"  {key[0]} batch {key[1]} {key[2]}: " + "; ".join(parts) +
-              f"; all {total_flops / total_seconds / 1e9:.0f} GFLOP/s ({100 * total_flops / total_seconds / 1e9 / peak:.0f}%)")
+              f"; all {total_flops / total_seconds / 1e9:.0f} GFLOP/s "
+              f"({100 * total_flops / total_seconds / 1e9 / peak:.0f}%)")
     if "idle" in args.load and "busy" in args.load:
         print()
         print("busy ratio / idle ratio (issue 23 asks >= 80% at batch 1):")
@@ -202,7 +228,8 @@ def main():
                 print(f"  batch {batch} {policy}: {100 * busy['ratio'] / idle['ratio']:.0f}%")
     write_json(args.json, rows=rows, times={"|".join(map(str, k)): v for k, v in times.items()},
                marcache_phases={"|".join(map(str, k)): v for k, v in phases.items()},
-               torch=torch_info, sgemm_peak=peak, sgemm_shapes=shapes, steps=args.steps, cfg=args.cfg,
+               torch=torch_info, sgemm_peak=peak, sgemm_peak_before=peak_before,
+               sgemm_peak_after=peak_after, sgemm_shapes=shapes, steps=args.steps, cfg=args.cfg,
                threads=args.threads, model=args.model, dtype=args.dtype)
 
 
