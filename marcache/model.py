@@ -477,7 +477,9 @@ def load(path, vae=None, device="cpu", dtype="fp32", heads=None, diffusion_steps
     if decoder == "pixels":
         vae_obj = PixelDecoder.from_metadata(metadata, dict(mar.config), path)
     else:
-        vae_obj = _C.VAE(vae_path, num_threads=int(threads), device=device) if vae_path is not None else None
+        # The decoder runs in the model's dtype, as the official code decodes under its autocast.
+        vae_obj = _C.VAE(vae_path, num_threads=int(threads), device=device, dtype=dtype) \
+            if vae_path is not None else None
     return MARModel(mar, vae_obj, path=path, vae_path=vae_path, device=device, dtype=dtype)
 
 
@@ -516,5 +518,5 @@ def _load_var(path, vae_path, device, dtype, threads):
         _check_var_and_vqvae_agree(path, vae_path)
     var = _C.VAR(path, device=device, dtype=dtype, threads=int(threads))
     if vae_path is not None:
-        vqvae = _C.VQVAE(vae_path, num_threads=int(threads), device=device)
+        vqvae = _C.VQVAE(vae_path, num_threads=int(threads), device=device, dtype=dtype)
     return VARModel(var, vqvae, path=path, vae_path=vae_path, device=device, dtype=dtype)

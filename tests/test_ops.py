@@ -536,7 +536,7 @@ case("groupnorm", "b1-hw256-c128-g32-offset")(groupnorm_builder(1, 256, 128, 32,
 
 # conv2d (pending on CPU): NHWC, PyTorch weight layout, k in {1, 3}.
 def conv2d_builder(batch, height, width, cin, cout, k, bias=True, beta=0.0, with_y=False,
-                   naive=False):
+                   naive=False, wtype=None):
     def build(rng):
         x = randn(rng, batch, height, width, cin)
         w = randn(rng, cout, cin, k, k, scale=1.0 / np.sqrt(cin * k * k))
@@ -546,6 +546,8 @@ def conv2d_builder(batch, height, width, cin, cout, k, bias=True, beta=0.0, with
         params = {"beta": f32(beta)}
         if naive:
             params["naive"] = True
+        if wtype is not None:
+            params["wtype"] = wtype
         return inputs, params
     return build
 
@@ -560,6 +562,28 @@ case("conv2d", "b1-3x3-c4to4-k5")(conv2d_builder(1, 3, 3, 4, 4, 5))
 case("conv2d", "b1-8x8-c64to65-k3")(conv2d_builder(1, 8, 8, 64, 65, 3))
 case("conv2d", "b2-5x6-c5to7-k3-residual-naive")(conv2d_builder(2, 5, 6, 5, 7, 3, beta=1.0,
                                                                  with_y=True, naive=True))
+
+
+def ref_conv2d_rounded_operands(inputs, p):
+    """The 16-bit convolution's contract (ops.h, autocast's): x and w rounded, then exact."""
+    x, w = (ref.round_to_wtype(a, p["wtype"]) for a in inputs[:2])
+    return ref_conv2d((x, w) + tuple(inputs[2:]), p)
+
+
+# 16-bit convolutions (a VAE or VQVAE loaded with dtype bf16/fp16): the bounds of 16-bit
+# operands against the unrounded float64 result, as linear's, and float32 accuracy against
+# the rounded operands (which pins that x and w, and only they, are rounded).
+for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
+    for name, args, kwargs in [("b2-5x7-c3to17-k3", (2, 5, 7, 3, 17, 3), {}),
+                               ("b1-8x8-c64to65-k3", (1, 8, 8, 64, 65, 3), {}),
+                               ("b2-4x3-c17to33-k1", (2, 4, 3, 17, 33, 1), {}),
+                               ("b1-6x5-c16to8-k3-residual", (1, 6, 5, 16, 8, 3), dict(beta=1.0, with_y=True)),
+                               ("b2-5x6-c5to7-k3", (2, 5, 6, 5, 7, 3), dict(naive=True))]:
+        build = conv2d_builder(*args, wtype=wtype, **kwargs)
+        naive = "-naive" if kwargs.get("naive") else ""  # NAIVE_CASES: ids ending in -naive
+        case("conv2d", name + "-" + wtype + naive, tol=tol)(build)
+        case("conv2d", name + "-" + wtype + "-rounded-ref" + naive, tol=2e-5,
+             reference=ref_conv2d_rounded_operands)(build)
 
 
 # upsample_nearest2x (pending on CPU): a copy, exact.
@@ -777,7 +801,8 @@ def nhwc(rng, batch, height, width, channels, strided=False, **kw):
 # 5x5 pad 2, 1x1 into a channel slice of a concat buffer), fused ReLU,
 # residual beta, and the plain-loop CPU kernel (naive).
 def conv2d_ex_builder(batch, height, width, cin, cout, kh, kw, stride=(1, 1), pad=(0, 0),
-                      bias=True, relu=False, beta=0.0, with_y=False, strided=False, naive=False):
+                      bias=True, relu=False, beta=0.0, with_y=False, strided=False, naive=False,
+                      wtype=None):
     def build(rng):
         x = nhwc(rng, batch, height, width, cin, strided=strided)
         w = randn(rng, cout, cin, kh, kw, scale=1.0 / np.sqrt(cin * kh * kw))
@@ -790,6 +815,8 @@ def conv2d_ex_builder(batch, height, width, cin, cout, kh, kw, stride=(1, 1), pa
                   "beta": f32(beta), "relu": relu}
         if naive:
             params["naive"] = True
+        if wtype is not None:
+            params["wtype"] = wtype
         return inputs, params
     return build
 
@@ -817,6 +844,30 @@ case("conv2d_ex", "b2-7x9-c6to5-k3-s2-p1-sliced-relu-naive")(
     conv2d_ex_builder(2, 7, 9, 6, 5, 3, 3, (2, 2), (1, 1), relu=True, strided=True, naive=True))
 case("conv2d_ex", "b1-6x6-c4to4-k1-residual-naive")(
     conv2d_ex_builder(1, 6, 6, 4, 4, 1, 1, beta=0.5, with_y=True, naive=True))
+
+
+def ref_conv2d_ex_rounded_operands(inputs, p):
+    """conv2d_ex's 16-bit contract: x and w rounded (ops.h), then exact."""
+    x, w = (ref.round_to_wtype(a, p["wtype"]) for a in inputs[:2])
+    return ref_conv2d_ex((x, w) + tuple(inputs[2:]), p)
+
+
+# 16-bit conv2d_ex, as conv2d's: the strided (pixel-stride) input and output, a pointwise
+# one read in place in float32, stride 2 with ReLU, and the plain-loop kernel.
+for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
+    for name, args, kwargs in [("b2-6x5-c16to9-k1-sliced-in-out", (2, 6, 5, 16, 9, 1, 1),
+                                dict(strided=True, relu=True)),
+                               ("b1-9x9-c8to16-k3-s2-p1-relu", (1, 9, 9, 8, 16, 3, 3, (2, 2), (1, 1)),
+                                dict(relu=True)),
+                               ("b1-7x7-c8to6-k3-p1-sliced-in-out", (1, 7, 7, 8, 6, 3, 3),
+                                dict(pad=(1, 1), strided=True, beta=1.0)),
+                               ("b2-7x9-c6to5-k3-s2-p1-sliced", (2, 7, 9, 6, 5, 3, 3, (2, 2), (1, 1)),
+                                dict(strided=True, naive=True))]:
+        build = conv2d_ex_builder(*args, wtype=wtype, **kwargs)
+        naive = "-naive" if kwargs.get("naive") else ""
+        case("conv2d_ex", name + "-" + wtype + naive, tol=tol)(build)
+        case("conv2d_ex", name + "-" + wtype + "-rounded-ref" + naive, tol=2e-5,
+             reference=ref_conv2d_ex_rounded_operands)(build)
 
 
 def pool_builder(batch, height, width, channels, kh, kw, stride=None, pad=(0, 0),

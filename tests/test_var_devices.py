@@ -61,10 +61,11 @@ def files(tmp_path_factory):
 def teacher_forced_logits(model, vq_weights, labels, tokens, cache, cfg):
     """(guided logits [B, L, V] float32, trace) of `model` (a VARModel) on the history
     `tokens` [B, L]: per scale the engine's logits given the tokens of the earlier scales
-    (inputs from the float64 VQ accumulation of the tokens), guided in float32 as the
-    engine guides them; trace: forward_scales' rows per sublayer of each scale run.
-    Scales the tokens leave at -1 (skipped) stay NaN."""
-    ref_vq = ReferenceVQ(vq_weights)
+    (inputs from the float64 VQ accumulation of the tokens, Phi's operands rounded as the
+    model's dtype rounds them), guided in float32 as the engine guides them; trace:
+    forward_scales' rows per sublayer of each scale run. Scales the tokens leave at -1
+    (skipped) stay NaN."""
+    ref_vq = ReferenceVQ(vq_weights, wtype=model.dtype)
     labels = np.asarray(labels)
     B, n_scales = len(labels), len(PATCH_NUMS)
     run = [si for si in range(n_scales) if (tokens[:, BEGIN[si]:BEGIN[si + 1]] >= 0).all()]

@@ -221,6 +221,28 @@ def test_decode_matches_reference(backend, model_file):
     assert_close(got, want, IMAGE_RTOL, IMAGE_ATOL, what=f"{config} decode on {backend}")
 
 
+@pytest.mark.parametrize("dtype,share", [("bf16", 2e-2), ("fp16", 3e-3)])
+def test_decode_in_16_bits(backend, model_file, dtype, share):
+    """A VQVAE loaded with a 16-bit dtype runs its convolutions as autocast's (ops.h; the
+    official code decodes under its fp16 autocast): within the 16-bit operands' error of
+    the float64 decode, visibly not the float32 decode, and on the guard (the CPU's
+    kernels under the backend contract) the CPU's bits."""
+    config, weights, path = model_file
+    patch_nums = CONFIGS[config][1]
+    ids = random_ids(np.random.default_rng(6), 2, patch_nums, CONFIGS[config][0]["vocab"])
+    fp32 = _C.VQVAE(path, device=backend)
+    f_hat = fp32.idx_to_fhat(ids, patch_nums)
+    got = _C.VQVAE(path, device=backend, dtype=dtype).decode(f_hat)
+    raw = ref_vq.decode_unclamped(weights, f_hat)
+    assert_close(got, np.clip(raw, -1.0, 1.0), 0.0, share * np.abs(raw).max(),
+                 what=f"{config} {dtype} decode on {backend}")
+    assert np.abs(got - fp32.decode(f_hat)).max() > 1e-2 * share, "the dtype did not reach the convolutions"
+    if backend == "guard":
+        assert np.array_equal(got, _C.VQVAE(path, dtype=dtype).decode(f_hat))
+    with pytest.raises(ValueError, match="dtype"):
+        _C.VQVAE(path, device=backend, dtype="fp64")
+
+
 def test_decode_uint8_and_batches(model_file):
     config, weights, path = model_file
     vq = _C.VQVAE(path)

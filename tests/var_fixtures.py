@@ -76,15 +76,17 @@ def module_fixtures(name, var_seed, vq_seed, **overrides):
 
 
 class ReferenceVQ:
-    """The float64 reference's VQ update, as RV.generate / RF.generate call it."""
+    """The float64 reference's VQ update, as RV.generate / RF.generate call it; wtype: the
+    VQVAE's dtype (a 16-bit one rounds Phi's convolution operands, as the engine does)."""
 
-    def __init__(self, W):
+    def __init__(self, W, wtype="fp32"):
         self.W = W
+        self.wtype = wtype
         self.codebook = W["quantize.embedding.weight"]
         self.num_phi = RVQ.count_phi(W)
 
     def add_scale(self, f_hat, h, si, n_scales):
-        return RVQ.add_scale(self.W, f_hat, h, RVQ.phi_index(si, n_scales, self.num_phi))
+        return RVQ.add_scale(self.W, f_hat, h, RVQ.phi_index(si, n_scales, self.num_phi), wtype=self.wtype)
 
     def next_input(self, f_hat, pn):
         return RVQ.resize_area(f_hat, pn, pn)

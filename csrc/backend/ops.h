@@ -27,8 +27,12 @@ typedef enum mc_act { MC_ACT_NONE = 0, MC_ACT_GELU = 1, MC_ACT_SILU = 2, MC_ACT_
 /* Element type of the weights `linear` reads on a backend (its
  * linear_wtype). With BF16 or F16 the layer runs as PyTorch's autocast
  * does: x is rounded to the 16-bit type, products are summed in float32,
- * bias and activation are applied in float32. Every other op and tensor
- * stays float32. */
+ * bias and activation are applied in float32. The convolutions (conv2d,
+ * conv2d_ex) on such a backend run as autocast runs them too: x and w
+ * (float32 in memory) rounded to the type, products summed in float32,
+ * bias in float32; this is how the VAE and VQVAE decode when a model is
+ * loaded in 16 bits, as the official code decodes under autocast. Every
+ * other op and tensor stays float32. */
 typedef enum mc_wtype { MC_WTYPE_F32 = 0, MC_WTYPE_BF16 = 1, MC_WTYPE_F16 = 2 } mc_wtype;
 
 static inline size_t mc_wtype_size(mc_wtype t) { return t == MC_WTYPE_F32 ? 4 : 2; }

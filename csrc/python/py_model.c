@@ -52,17 +52,21 @@ int mcpy_model_load(mcpy_model_object *self, mcpy_release_fn release, int with_l
 int mcpy_model_init_path_threads_device(mcpy_model_object *self, PyObject *args, PyObject *kwds,
                                         const char *type_name, mcpy_release_fn release, mcpy_model_loader load,
                                         void *model) {
-    static char *kwlist[] = {"path", "num_threads", "device", NULL};
+    static char *kwlist[] = {"path", "num_threads", "device", "dtype", NULL};
     char format[64];
-    snprintf(format, sizeof format, "O&|is:%s", type_name);
-    const char *device = "cpu";
+    snprintf(format, sizeof format, "O&|iss:%s", type_name);
+    const char *device = "cpu", *dtype = "fp32";
     PyObject *path_bytes = NULL;
     int num_threads = 0;
+    mc_wtype wtype;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, PyUnicode_FSConverter, &path_bytes, &num_threads,
-                                     &device))
+                                     &device, &dtype))
         return -1;
-    return mcpy_model_load(self, release, 1, path_bytes, device, num_threads, "num_threads", MC_WTYPE_F32, load,
-                           model);
+    if (mcpy_parse_wtype(dtype, &wtype) < 0) {
+        Py_XDECREF(path_bytes);
+        return -1;
+    }
+    return mcpy_model_load(self, release, 1, path_bytes, device, num_threads, "num_threads", wtype, load, model);
 }
 
 mc_status mcpy_decode_images(mcpy_decode_fn decode, void *ctx, int64_t n, int64_t image_floats, int as_uint8,

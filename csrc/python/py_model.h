@@ -46,7 +46,7 @@ int mcpy_model_load(mcpy_model_object *self, mcpy_release_fn release, int with_l
                     const char *device, int threads, const char *threads_name, mc_wtype wtype,
                     mcpy_model_loader load, void *model);
 
-/* __init__(path, num_threads=0, device='cpu') of a float32 model that
+/* __init__(path, num_threads=0, device='cpu', dtype='fp32') of a model that
  * waits for its lock (VAE, VQVAE): the arguments parsed (`type_name` in
  * their messages), then mcpy_model_load. 0, or -1 with the exception set. */
 int mcpy_model_init_path_threads_device(mcpy_model_object *self, PyObject *args, PyObject *kwds,
@@ -82,7 +82,7 @@ int mcpy_add_type(PyObject *module, PyTypeObject *type, const char *name, PyMeth
 /* The life cycle of a float32 model that waits for its lock and keeps an
  * info struct (VAE, VQVAE): MCPY_MODEL_LIFECYCLE, the loader
  * `<prefix>_load` (load_fn) and `<prefix>_init(path, num_threads=0,
- * device='cpu')`, which sets self-><member> (a `model_type *`) and fills
+ * device='cpu', dtype='fp32')` (dtype: the backend's linear_wtype), which sets self-><member> (a `model_type *`) and fills
  * self->info with info_fn once the load has succeeded. */
 #define MCPY_PATH_MODEL(prefix, type, model_type, member, free_fn, load_fn, info_fn)                      \
     MCPY_MODEL_LIFECYCLE(prefix, type, member, free_fn)                                                 \

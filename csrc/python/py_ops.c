@@ -64,7 +64,8 @@
  *   conv2d       (x [B,H,W,Cin], w [Cout,Cin,k,k] (PyTorch layout, k odd;
  *                repacked here to [Cout,k,k,Cin]), bias [Cout]=None,
  *                y [B,H,W,Cout]=None); beta=0, naive=False (the backend's
- *                plain-loop reference kernel) -> y
+ *                plain-loop reference kernel), wtype="fp32" (a 16-bit
+ *                type: the autocast form of ops.h, x and w rounded) -> y
  *   upsample_nearest2x (x [B,H,W,C],) -> y [B,2H,2W,C]
  *   cfg_combine  (cond [rows,>=ch] strided, uncond [rows,>=ch] strided);
  *                scale, channels=cond.shape[1] -> out [rows,channels]
@@ -86,7 +87,7 @@
  *                layout; repacked here), bias [Cout]=None, y [B,OH,OW,Cout]
  *                pixel-strided=None); stride_h=1, stride_w=1, pad_h=0,
  *                pad_w=0, beta=0, relu=False, naive=False (the backend's
- *                plain-loop reference kernel) -> y
+ *                plain-loop reference kernel), wtype="fp32" (as conv2d) -> y
  *   avg_pool2d   (x [B,H,W,C] pixel-strided, y [B,OH,OW,C] pixel-strided=
  *                None); kh, kw, count_include_pad (required), stride_h=kh,
  *                stride_w=kw, pad_h=0, pad_w=0 -> y
@@ -1182,12 +1183,13 @@ static PyObject *run_groupnorm(op_call *call) {
 }
 
 static PyObject *run_conv2d(op_call *call) {
-    static const char *const keys[] = {"beta", "naive", NULL};
+    static const char *const keys[] = {"beta", "naive", "wtype", NULL};
     float beta;
     int naive, cpu_naive = 0;
+    mc_wtype wtype;
     operand *in[4];
     if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
-        param_bool(call, "naive", 0, &naive) < 0 ||
+        param_bool(call, "naive", 0, &naive) < 0 || param_wtype(call, &wtype) < 0 ||
         (cpu_naive = use_naive(call, naive, 1)) < 0 ||
         fetch_args(call, SPECS(IN("x", 4, LAYOUT_CONTIGUOUS), IN("w", 4, LAYOUT_CONTIGUOUS),
                                OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 4, LAYOUT_CONTIGUOUS)),
@@ -1209,6 +1211,7 @@ static PyObject *run_conv2d(op_call *call) {
         output_operand(call, &y, "y", 4, (int64_t[]){batch, height, width, cout}) < 0 ||
         repack_conv_weight(call, w) < 0)
         return NULL;
+    call->backend->linear_wtype = wtype; /* a 16-bit convolution (ops.h) */
     if (cpu_naive)
         RETURN_RUN(call, y, mc_cpu_conv2d_naive(call->backend, x->device, batch, height, width, cin,
                                                 w->device, DEVICE_OR_NULL(bias), cout, (int)ksize,
@@ -1430,12 +1433,14 @@ static int window_output(op_call *call, const mc_window2d *g, int64_t channels, 
 
 static PyObject *run_conv2d_ex(op_call *call) {
     static const char *const keys[] = {"stride_h", "stride_w", "pad_h", "pad_w", "beta",
-                                       "relu",     "naive",    NULL};
+                                       "relu",     "naive",    "wtype",  NULL};
     float beta;
     int relu, naive, cpu_naive = 0;
+    mc_wtype wtype;
     operand *in[4];
     if (check_param_keys(call, keys) < 0 || param_float(call, "beta", 0, 0.0f, &beta) < 0 ||
         param_bool(call, "relu", 0, &relu) < 0 || param_bool(call, "naive", 0, &naive) < 0 ||
+        param_wtype(call, &wtype) < 0 ||
         (cpu_naive = use_naive(call, naive, 1)) < 0 ||
         fetch_args(call, SPECS(IN("x", 4, LAYOUT_STRIDED), IN("w", 4, LAYOUT_CONTIGUOUS),
                                OPT_IN("bias", 1, LAYOUT_CONTIGUOUS), OPT_IN("y", 4, LAYOUT_STRIDED)),
@@ -1453,6 +1458,7 @@ static PyObject *run_conv2d_ex(op_call *call) {
     if (param_window(call, &g, kh, kw, 1, 1) < 0 || window_output(call, &g, cout, &y) < 0 ||
         repack_conv_weight(call, w) < 0)
         return NULL;
+    call->backend->linear_wtype = wtype; /* a 16-bit convolution (ops.h) */
     if (cpu_naive)
         RETURN_RUN(call, y, mc_cpu_conv2d_ex_naive(call->backend, &g, x->device, cin, x->stride[2],
                                                    w->device, DEVICE_OR_NULL(bias), cout, beta, relu,

@@ -151,9 +151,10 @@ static PyGetSetDef VAE_getset[] = {
 };
 
 MCPY_MODEL_TYPE(VAE, VAEObject, "VAE",
-                "VAE(path, num_threads=0, device='cpu'): MAR's KL-16 VAE decoder loaded from a\n"
-              "safetensors file in the official key layout (post_quant_conv.* and decoder.*), on\n"
-              "device 'cpu', 'cuda', 'cuda:N' or 'guard'.");
+                "VAE(path, num_threads=0, device='cpu', dtype='fp32'): MAR's KL-16 VAE decoder loaded\n"
+              "from a safetensors file in the official key layout (post_quant_conv.* and decoder.*),\n"
+              "on device 'cpu', 'cuda', 'cuda:N' or 'guard'. dtype 'bf16' or 'fp16' runs its\n"
+              "convolutions as autocast does (inputs and weights rounded, float32 sums).");
 
 /* _vae_to_uint8(x) -> uint8 array like x: mc_vae_to_uint8 (test hook). */
 static PyObject *op_vae_to_uint8(PyObject *self, PyObject *obj) {

@@ -2,7 +2,8 @@
  * decoder, and the scale-by-scale pieces of csrc/models/vqvae.h on host
  * arrays, for tests and for decoding token maps made elsewhere.
  *
- *   VQVAE(path, num_threads=0, device='cpu')
+ *   VQVAE(path, num_threads=0, device='cpu', dtype='fp32')
+ *                              (dtype bf16/fp16: the convolutions as autocast's, ops.h)
  *   .config                    dict: vocab, z_channels, ch, ch_mult, num_res_blocks,
  *                              num_phi, upscale, quant_resi, num_params
  *   .num_params                int
@@ -516,9 +517,10 @@ static PyGetSetDef VQVAE_getset[] = {
 };
 
 MCPY_MODEL_TYPE(VQVAE, VQVAEObject, "VQVAE",
-                "VQVAE(path, num_threads=0, device='cpu'): VAR's multi-scale VQVAE (decode side) loaded\n"
-              "from a safetensors file in the official key layout, on device 'cpu', 'cuda',\n"
-              "'cuda:N' or 'guard'.");
+                "VQVAE(path, num_threads=0, device='cpu', dtype='fp32'): VAR's multi-scale VQVAE (decode\n"
+              "side) loaded from a safetensors file in the official key layout, on device 'cpu',\n"
+              "'cuda', 'cuda:N' or 'guard'. dtype 'bf16' or 'fp16' runs its convolutions as autocast\n"
+              "does (inputs and weights rounded, float32 sums).");
 
 int mcpy_vqvae_borrow(PyObject *obj, mc_vqvae **vq, mc_backend **backend, PyThread_type_lock *lock) {
     if (!PyObject_TypeCheck(obj, &VQVAE_type)) {

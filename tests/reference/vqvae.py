@@ -113,20 +113,23 @@ def embed(W, idx):
     return ops.f64(W["quantize.embedding.weight"])[np.asarray(idx)]
 
 
-def phi(W, k, h, quant_resi=QUANT_RESI):
-    """Phi_k(h) = (1 - r) h + r (conv3x3_k(h) + b_k) on NHWC h."""
+def phi(W, k, h, quant_resi=QUANT_RESI, wtype="fp32"):
+    """Phi_k(h) = (1 - r) h + r (conv3x3_k(h) + b_k) on NHWC h. A 16-bit wtype (a VQVAE
+    loaded in bf16/fp16) convolves h and the weights rounded to it, as autocast does."""
     p = "quantize.quant_resi.qresi_ls.%d" % k
-    conv = ops.conv2d(h, ops.f64(W[p + ".weight"]), ops.f64(W[p + ".bias"]))
+    x, w = (h, W[p + ".weight"]) if wtype == "fp32" else (ops.round_to_wtype(h, wtype),
+                                                           ops.round_to_wtype(W[p + ".weight"], wtype))
+    conv = ops.conv2d(ops.f64(x), ops.f64(w), ops.f64(W[p + ".bias"]))
     return (1 - quant_resi) * ops.f64(h) + quant_resi * conv
 
 
-def add_scale(W, f_hat, h, phi_k):
+def add_scale(W, f_hat, h, phi_k, wtype="fp32"):
     """f_hat + Phi_k(bicubic(h -> side x side)); no resize when h is already
-    side x side (the last scale)."""
+    side x side (the last scale). wtype: phi's."""
     side = f_hat.shape[1]
     if h.shape[1] != side:
         h = resize_bicubic(h, side, side)
-    return f_hat + phi(W, phi_k, h)
+    return f_hat + phi(W, phi_k, h, wtype=wtype)
 
 
 def idx_to_fhat(W, idx_list, patch_nums):

@@ -13,6 +13,7 @@
  * reference the fast path is tested against. */
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -183,6 +184,39 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
     return MC_OK;
 }
 
+/* ------------------------------------------------- 16-bit convolutions */
+
+mc_status mc_cpu_conv_round_operands(mc_backend *be, const float **x, int64_t pixels, int64_t cin,
+                                     int64_t *ldx, const float **w, int64_t w_count, mc_err *err) {
+    const mc_wtype wt = be->linear_wtype;
+    if (wt == MC_WTYPE_F32)
+        return MC_OK;
+    size_t x_floats, floats;
+    if (pixels < 0 || cin < 0 || w_count < 0 || mc_mul_overflows((size_t)pixels, (size_t)cin, &x_floats) ||
+        x_floats > SIZE_MAX - (size_t)w_count)
+        return mc_fail(err, MC_ERR_VALUE, "conv2d: %lld pixels x %lld channels are too many to round",
+                       (long long)pixels, (long long)cin);
+    floats = x_floats + (size_t)w_count;
+    float *xr = mc_cpu_scratch(be, MC_CONV_ROUNDED_SLOT, floats, "a 16-bit convolution's rounded input and weights",
+                               err);
+    if (xr == NULL)
+        return err->status;
+    float *wr = xr + x_floats;
+    const float *xs = *x, *ws = *w;
+    const int64_t ld = *ldx;
+    const int parallel = (int64_t)floats >= MC_CONV_PARALLEL_MIN_ELEMS;
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (parallel)
+    for (int64_t p = 0; p < pixels; p++)
+        for (int64_t c = 0; c < cin; c++)
+            xr[p * cin + c] = mc_wtype_round(wt, xs[p * ld + c]);
+    for (int64_t i = 0; i < w_count; i++)
+        wr[i] = mc_wtype_round(wt, ws[i]);
+    *x = xr;
+    *ldx = cin;
+    *w = wr;
+    return MC_OK;
+}
+
 /* ------------------------------------------------------------------- conv2d */
 
 /* The reference: y = beta * y + bias + sum over taps and input channels, in
@@ -190,9 +224,11 @@ mc_status mc_cpu_groupnorm(mc_backend *be, const float *x, int64_t batch, int64_
 mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int64_t height,
                               int64_t width, int64_t cin, const float *w, const float *bias,
                               int64_t cout, int ksize, float beta, float *y, mc_err *err) {
-    (void)be;
     if (ksize <= 0 || ksize % 2 == 0)
         return mc_fail(err, MC_ERR_INTERNAL, "conv2d: kernel size %d is not odd", ksize);
+    int64_t ldx = cin;
+    MC_TRY(mc_cpu_conv_round_operands(be, &x, batch * height * width, cin, &ldx, &w,
+                                      cout * ksize * ksize * cin, err));
     const int pad = ksize / 2;
     for (int64_t n = 0; n < batch; n++)
         for (int64_t oy = 0; oy < height; oy++)
@@ -309,6 +345,9 @@ mc_status mc_cpu_conv2d(mc_backend *be, const float *x, int64_t batch, int64_t h
         return mc_fail(err, MC_ERR_INTERNAL, "conv2d: kernel size %d is not odd", ksize);
     if (batch <= 0 || height <= 0 || width <= 0 || cout <= 0)
         return MC_OK;
+    int64_t ldx = cin;
+    MC_TRY(mc_cpu_conv_round_operands(be, &x, batch * height * width, cin, &ldx, &w,
+                                      cout * ksize * ksize * cin, err));
     /* A 1x1 conv has no spatial coupling: view it as batch*height*width rows
      * of one pixel each, so chunks can split anywhere. */
     if (ksize == 1) {

@@ -39,6 +39,20 @@ mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int
                               int64_t width, int64_t cin, const float *w, const float *bias,
                               int64_t cout, int ksize, float beta, float *y, mc_err *err);
 
+/* Scratch slot of the rounded operands of a 16-bit convolution: above the
+ * im2col slots 0..61 of conv2d and conv2d_ex, below groupnorm's 63. */
+#define MC_CONV_ROUNDED_SLOT 62
+
+/* A convolution on a backend whose linear_wtype is 16-bit runs as PyTorch's
+ * autocast runs it (ops.h): x and w rounded to the type, products summed in
+ * float32. This makes the rounded copies in scratch (MC_CONV_ROUNDED_SLOT):
+ * *x becomes `pixels` contiguous pixels of cin channels (*ldx = cin) and *w
+ * its w_count values, both exactly representable in the 16-bit type. With a
+ * float32 linear_wtype nothing changes. Shared by conv2d and conv2d_ex and
+ * their naive references. */
+mc_status mc_cpu_conv_round_operands(mc_backend *be, const float **x, int64_t pixels, int64_t cin,
+                                     int64_t *ldx, const float **w, int64_t w_count, mc_err *err);
+
 /* Prepares rows [0, rows) of y (row stride ldy, cout columns) for a GEMM
  * that adds onto them: y = beta * y + bias. Returns the beta the GEMM must
  * then use. beta == 0 never reads y (it may hold garbage or NaN). Shared by

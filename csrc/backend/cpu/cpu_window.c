@@ -37,9 +37,10 @@
 mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
                                  int64_t ldx, const float *w, const float *bias, int64_t cout,
                                  float beta, int relu, float *y, int64_t ldy, mc_err *err) {
-    (void)be;
     MC_TRY(mc_check_window("conv2d_ex", g, 0, err));
     MC_TRY(mc_check_pixel_strides("conv2d_ex", cin, ldx, cout, ldy, err));
+    MC_TRY(mc_cpu_conv_round_operands(be, &x, g->batch * g->height * g->width, cin, &ldx, &w,
+                                      cout * g->kh * g->kw * cin, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     for (int64_t n = 0; n < g->batch; n++)
         for (int64_t oy = 0; oy < oh; oy++)
@@ -123,6 +124,8 @@ mc_status mc_cpu_conv2d_ex(mc_backend *be, const mc_window2d *g, const float *x,
     MC_TRY(mc_check_pixel_strides("conv2d_ex", cin, ldx, cout, ldy, err));
     if (g->batch == 0)
         return MC_OK;
+    MC_TRY(mc_cpu_conv_round_operands(be, &x, g->batch * g->height * g->width, cin, &ldx, &w,
+                                      cout * g->kh * g->kw * cin, err));
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     const int64_t patch = (int64_t)g->kh * g->kw * cin;
     int threads = mc_cpu_threads(be);

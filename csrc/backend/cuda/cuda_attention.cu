@@ -202,16 +202,6 @@ __device__ __forceinline__ int64_t naive_kv_offset(const att_segments &segs, int
     return r.b * segs.bstride[s] + j * segs.ld[s] + (int64_t)r.h * D;
 }
 
-/* x rounded to T (nearest even) and back; T = float keeps x (the fp32 kernel). */
-template <typename T> __device__ __forceinline__ float round_to(float x);
-template <> __device__ __forceinline__ float round_to<float>(float x) { return x; }
-template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float x) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-}
-template <> __device__ __forceinline__ float round_to<__half>(float x) {
-    return __half2float(__float2half_rn(x));
-}
-
 /* A score: the block-wide dot product of q and k, each rounded to T. */
 template <typename T>
 __device__ float naive_score(const float *qrow, const float *krow, int D, float scale, float *red) {

@@ -141,6 +141,47 @@ mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int6
     return mc_cuda_sgemm(be, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err);
 }
 
+mc_status mc_cuda_round_rows_16bit(mc_backend *be, const float *x, int64_t ldx, int64_t rows,
+                                   int64_t in, void *out16, mc_err *err) {
+    if (rows <= 0 || in <= 0)
+        return MC_OK;
+    cudaStream_t stream = cuda_st(be)->stream;
+    const unsigned blocks = mc_cuda_blocks(rows * in, MC_CUDA_THREADS);
+    if (be->linear_wtype == MC_WTYPE_BF16)
+        round_rows_kernel<<<blocks, MC_CUDA_THREADS, 0, stream>>>(x, ldx, rows, in,
+                                                                 (__nv_bfloat16 *)out16);
+    else
+        round_rows_kernel<<<blocks, MC_CUDA_THREADS, 0, stream>>>(x, ldx, rows, in, (__half *)out16);
+    MC_CUDA_LAUNCHED("round_rows_16bit_kernel", err);
+    return MC_OK;
+}
+
+mc_status mc_cuda_gemm_16bit_nt(mc_backend *be, int64_t m, int64_t n, int64_t k, const void *a16,
+                                int64_t lda, const void *w16, int64_t ldw, float beta, float *y,
+                                int64_t ldy, mc_err *err) {
+    if (m <= 0 || n <= 0)
+        return MC_OK;
+    if (!fits_int(m) || !fits_int(n) || !fits_int(k) || !fits_int(lda) || !fits_int(ldw) ||
+        !fits_int(ldy))
+        return mc_fail(err, MC_ERR_VALUE,
+                       "cuda 16-bit gemm: sizes m=%lld n=%lld k=%lld (lda %lld, ldw %lld, ldy %lld) "
+                       "exceed cuBLAS's 32-bit arguments",
+                       (long long)m, (long long)n, (long long)k, (long long)lda, (long long)ldw,
+                       (long long)ldy);
+    if (k <= 0) /* an empty sum: y = beta * y */
+        return mc_cuda_prefill_bias(be, y, m, n, ldy, NULL, beta, err);
+    const cudaDataType_t type = be->linear_wtype == MC_WTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float alpha = 1.0f;
+    /* Row-major y[m, n] = a16 w16^T is column-major y^T = w16 a16^T:
+     * w16 [n, k] row-major is column-major [k, n], so op(w16) = T. */
+    MC_CUBLAS_TRY(mc_cublas.gemm_ex(cuda_st(be)->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m,
+                                    (int)k, &alpha, w16, type, (int)ldw, a16, type, (int)lda, &beta,
+                                    y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT),
+                  err);
+    return MC_OK;
+}
+
 /* y = beta * y + x W^T with W of the backend's 16-bit weight type: x is
  * rounded to that type into scratch, cuBLAS multiplies the 16-bit operands
  * on the tensor cores and sums in float32 into the float32 y (autocast's
@@ -153,29 +194,12 @@ static mc_status gemm_16bit_weights(mc_backend *be, const float *x, int64_t ldx,
                        "cuda linear: sizes rows=%lld in=%lld out=%lld exceed cuBLAS's 32-bit "
                        "arguments",
                        (long long)rows, (long long)in, (long long)out);
-    cuda_state *st = cuda_st(be);
-    const int bf16 = be->linear_wtype == MC_WTYPE_BF16;
     void *x16 = mc_cuda_scratch(be, MC_CUDA_SLOT_HALF_X, (size_t)(rows * in) * 2,
                                "a 16-bit linear's rounded input", err);
     if (x16 == NULL)
         return err->status;
-    const unsigned blocks = mc_cuda_blocks(rows * in, MC_CUDA_THREADS);
-    if (bf16)
-        round_rows_kernel<<<blocks, MC_CUDA_THREADS, 0, st->stream>>>(x, ldx, rows, in,
-                                                                      (__nv_bfloat16 *)x16);
-    else
-        round_rows_kernel<<<blocks, MC_CUDA_THREADS, 0, st->stream>>>(x, ldx, rows, in,
-                                                                      (__half *)x16);
-    MC_CUDA_LAUNCHED("round_rows_16bit_kernel", err);
-    const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const float alpha = 1.0f;
-    /* Row-major y[rows, out] = x16 W^T is column-major y^T = W x16^T:
-     * W [out, in] row-major is column-major [in, out], so op(W) = T. */
-    MC_CUBLAS_TRY(mc_cublas.gemm_ex(st->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)rows, (int)in,
-                               &alpha, w, type, (int)in, x16, type, (int)in, &beta, y, CUDA_R_32F,
-                               (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                  err);
-    return MC_OK;
+    MC_TRY(mc_cuda_round_rows_16bit(be, x, ldx, rows, in, x16, err));
+    return mc_cuda_gemm_16bit_nt(be, rows, out, in, x16, in, w, in, beta, y, ldy, err);
 }
 
 /* y = beta * y + act(x W^T + bias). The GEMM writes (beta = 0) or adds onto

@@ -9,7 +9,14 @@
  * (ky, kx, ci) like the packed weights [cout, kh, kw, cin], and runs one
  * GEMM per chunk. conv2d is conv2d_ex with kh = kw = k, stride 1, padding
  * k / 2. conv_naive_kernel is the plain loop definition, run in reference
- * mode (mc_cuda_set_naive). */
+ * mode (mc_cuda_set_naive).
+ *
+ * On a backend with a 16-bit linear_wtype both run as autocast's
+ * convolutions (ops.h): the weights are rounded into scratch once per call,
+ * im2col writes the columns rounded to the type (a 1x1 convolution goes
+ * through im2col too, which then only rounds), and the GEMMs multiply the
+ * 16-bit operands on the tensor cores with float32 sums
+ * (mc_cuda_gemm_16bit_nt). The naive kernel rounds each operand it reads. */
 #include <math.h>
 
 #include "cuda_internal.h"
@@ -138,10 +145,10 @@ mc_status mc_cuda_groupnorm(mc_backend *be, const float *x, int64_t batch, int64
  * pixel P = (n * oh + oy) * ow + ox): col[(P - p0) * patch + (ky * kw + kx)
  * * cin + ci], zero where a tap falls in the padding. One thread per column
  * element, so writes are coalesced and reads are contiguous in ci. */
+template <typename T>
 __global__ void im2col_kernel(const float *x, int64_t height, int64_t width, int64_t cin,
                               int64_t ldx, int kh, int kw, int stride_h, int stride_w, int pad_h,
-                              int pad_w, int64_t oh, int64_t ow, int64_t p0, int64_t np,
-                              float *col) {
+                              int pad_w, int64_t oh, int64_t ow, int64_t p0, int64_t np, T *col) {
     const int64_t patch = (int64_t)kh * kw * cin;
     MC_GRID_STRIDE_LOOP(e, np * patch) {
         const int64_t pl = e / patch, t = e - pl * patch;
@@ -154,13 +161,15 @@ __global__ void im2col_kernel(const float *x, int64_t height, int64_t width, int
         float v = 0.0f;
         if (iy >= 0 && iy < height && ix >= 0 && ix < width)
             v = x[((n * height + iy) * width + ix) * ldx + ci];
-        col[e] = v;
+        mc_store_rounded(col + e, v);
     }
 }
 
 /* The reference: one thread per output element (pixel, co), the CPU naive
- * kernel's loop and rounding order: acc over (ky, kx, ci) from 0, then
- * beta * y + acc + bias, then ReLU. */
+ * kernel's loop and rounding order: acc over (ky, kx, ci) from 0 of the
+ * operands rounded to T (float: as they are), then beta * y + acc + bias,
+ * then ReLU. */
+template <typename T>
 __global__ void conv_naive_kernel(const float *x, int64_t batch, int64_t height, int64_t width,
                                   int64_t cin, int64_t ldx, int kh, int kw, int stride_h,
                                   int stride_w, int pad_h, int pad_w, const float *w,
@@ -182,13 +191,39 @@ __global__ void conv_naive_kernel(const float *x, int64_t batch, int64_t height,
                 const float *px = x + ((n * height + iy) * width + ix) * ldx;
                 const float *wk = w + ((co * kh + ky) * kw + kx) * cin;
                 for (int64_t ci = 0; ci < cin; ci++)
-                    acc += px[ci] * wk[ci];
+                    acc += round_to<T>(px[ci]) * round_to<T>(wk[ci]);
             }
         }
         float *out = y + P * ldy + co;
         const float v = (beta != 0.0f ? beta * *out : 0.0f) + acc + (bias != NULL ? bias[co] : 0.0f);
         *out = relu && v < 0.0f ? 0.0f : v;
     }
+}
+
+/* The reference kernel over the operands rounded to T. */
+template <typename T>
+static mc_status conv_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,
+                            int64_t ldx, const float *w, const float *bias, int64_t cout, float beta,
+                            int relu, float *y, int64_t ldy, mc_err *err) {
+    const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
+    conv_naive_kernel<T><<<mc_cuda_blocks(g->batch * oh * ow * cout, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
+                           cuda_st(be)->stream>>>(x, g->batch, g->height, g->width, cin, ldx, g->kh, g->kw,
+                                                  g->stride_h, g->stride_w, g->pad_h, g->pad_w, w, bias,
+                                                  cout, beta, relu, y, ldy, oh, ow);
+    MC_CUDA_LAUNCHED("conv_naive_kernel", err);
+    return MC_OK;
+}
+
+/* im2col of output pixels [p0, p0 + np) into col, of element type T. */
+template <typename T>
+static mc_status im2col(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin, int64_t ldx,
+                        int64_t p0, int64_t np, void *col, mc_err *err) {
+    const int64_t patch = (int64_t)g->kh * g->kw * cin;
+    im2col_kernel<T><<<mc_cuda_blocks(np * patch, MC_CUDA_THREADS), MC_CUDA_THREADS, 0, cuda_st(be)->stream>>>(
+        x, g->height, g->width, cin, ldx, g->kh, g->kw, g->stride_h, g->stride_w, g->pad_h, g->pad_w,
+        mc_window_out_h(g), mc_window_out_w(g), p0, np, (T *)col);
+    MC_CUDA_LAUNCHED("im2col_kernel", err);
+    return MC_OK;
 }
 
 /* The shared body of conv2d and conv2d_ex (arguments checked by callers). */
@@ -202,14 +237,14 @@ static mc_status conv_window(mc_backend *be, const mc_window2d *g, const float *
     const int64_t oh = mc_window_out_h(g), ow = mc_window_out_w(g);
     const int64_t pixels = g->batch * oh * ow;
     const int64_t patch = (int64_t)g->kh * g->kw * cin;
+    const mc_wtype wt = be->linear_wtype;
 
     if (st->naive) {
-        conv_naive_kernel<<<mc_cuda_blocks(pixels * cout, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
-                            st->stream>>>(x, g->batch, g->height, g->width, cin, ldx, g->kh,
-                                          g->kw, g->stride_h, g->stride_w, g->pad_h, g->pad_w, w,
-                                          bias, cout, beta, relu, y, ldy, oh, ow);
-        MC_CUDA_LAUNCHED("conv_naive_kernel", err);
-        return MC_OK;
+        if (wt == MC_WTYPE_BF16)
+            return conv_naive<__nv_bfloat16>(be, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err);
+        if (wt == MC_WTYPE_F16)
+            return conv_naive<__half>(be, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err);
+        return conv_naive<float>(be, g, x, cin, ldx, w, bias, cout, beta, relu, y, ldy, err);
     }
 
     /* y = beta * y + bias first (never reading y when beta == 0); the GEMMs
@@ -221,13 +256,23 @@ static mc_status conv_window(mc_backend *be, const mc_window2d *g, const float *
     }
     const int pointwise = g->kh == 1 && g->kw == 1 && g->stride_h == 1 && g->stride_w == 1 &&
                           g->pad_h == 0 && g->pad_w == 0;
-    if (pointwise) {
+    if (pointwise && wt == MC_WTYPE_F32) {
         for (int64_t p0 = 0; p0 < pixels; p0 += CONV_GEMM_ROWS_MAX) {
             const int64_t np = pixels - p0 < CONV_GEMM_ROWS_MAX ? pixels - p0 : CONV_GEMM_ROWS_MAX;
             MC_TRY(mc_cuda_sgemm(be, 0, 1, np, cout, cin, 1.0f, x + p0 * ldx, ldx, w, cin,
                                  gemm_beta, y + p0 * ldy, ldy, err));
         }
     } else {
+        /* The weights rounded once for every chunk (a 16-bit backend). */
+        void *w16 = NULL;
+        if (wt != MC_WTYPE_F32) {
+            w16 = mc_cuda_scratch(be, MC_CUDA_SLOT_HALF_W, (size_t)(cout * patch) * 2,
+                                  "a 16-bit convolution's rounded weights", err);
+            if (w16 == NULL)
+                return err->status;
+            MC_TRY(mc_cuda_round_rows_16bit(be, w, patch, cout, patch, w16, err));
+        }
+        const size_t elem = wt == MC_WTYPE_F32 ? sizeof(float) : 2;
         int64_t chunk = CONV_CHUNK_FLOATS / patch;
         if (chunk < 1)
             chunk = 1; /* im2col takes any run of output pixels */
@@ -235,22 +280,26 @@ static mc_status conv_window(mc_backend *be, const mc_window2d *g, const float *
             chunk = CONV_GEMM_ROWS_MAX;
         if (chunk > pixels)
             chunk = pixels;
-        float *col = (float *)mc_cuda_scratch(be, MC_CUDA_SLOT_COLUMNS,
-                                              (size_t)(chunk * patch) * sizeof(float),
-                                              "conv2d's im2col columns", err);
+        void *col = mc_cuda_scratch(be, MC_CUDA_SLOT_COLUMNS, (size_t)(chunk * patch) * elem,
+                                    "conv2d's im2col columns", err);
         if (col == NULL)
             return err->status;
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t np = pixels - p0 < chunk ? pixels - p0 : chunk;
-            im2col_kernel<<<mc_cuda_blocks(np * patch, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
-                            st->stream>>>(x, g->height, g->width, cin, ldx, g->kh, g->kw,
-                                          g->stride_h, g->stride_w, g->pad_h, g->pad_w, oh, ow,
-                                          p0, np, col);
-            MC_CUDA_LAUNCHED("im2col_kernel", err);
             /* The next chunk's im2col is ordered after this GEMM on the
              * stream, so one column buffer serves every chunk. */
-            MC_TRY(mc_cuda_sgemm(be, 0, 1, np, cout, patch, 1.0f, col, patch, w, patch, gemm_beta,
-                                 y + p0 * ldy, ldy, err));
+            if (wt == MC_WTYPE_F32) {
+                MC_TRY(im2col<float>(be, g, x, cin, ldx, p0, np, col, err));
+                MC_TRY(mc_cuda_sgemm(be, 0, 1, np, cout, patch, 1.0f, (const float *)col, patch, w,
+                                     patch, gemm_beta, y + p0 * ldy, ldy, err));
+            } else {
+                if (wt == MC_WTYPE_BF16)
+                    MC_TRY(im2col<__nv_bfloat16>(be, g, x, cin, ldx, p0, np, col, err));
+                else
+                    MC_TRY(im2col<__half>(be, g, x, cin, ldx, p0, np, col, err));
+                MC_TRY(mc_cuda_gemm_16bit_nt(be, np, cout, patch, col, patch, w16, patch, gemm_beta,
+                                             y + p0 * ldy, ldy, err));
+            }
         }
     }
     if (relu)

@@ -33,6 +33,7 @@ enum {
     MC_CUDA_SLOT_STATS = 1,   /* groupnorm partial sums, attention_mass row statistics */
     MC_CUDA_SLOT_HALF_X = 2,  /* linear's input rounded to the 16-bit weight type */
     MC_CUDA_SLOT_SAMPLING = 3, /* sample_tokens: per-block weights and sort keys */
+    MC_CUDA_SLOT_HALF_W = 4,  /* a 16-bit convolution's weights rounded to the type */
 };
 
 typedef struct cuda_state {
@@ -200,6 +201,18 @@ static inline unsigned mc_cuda_blocks(int64_t n, int threads) {
 /* Round to nearest even into the 16-bit type (the bits of core/half.h). */
 __device__ __forceinline__ void mc_store_rounded(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void mc_store_rounded(__half *p, float v) { *p = __float2half_rn(v); }
+/* float storage keeps v: the float32 instantiation of a kernel templated on T. */
+__device__ __forceinline__ void mc_store_rounded(float *p, float v) { *p = v; }
+
+/* x rounded to T (nearest even) and back; T = float keeps x (the fp32 kernel). */
+template <typename T> __device__ __forceinline__ float round_to(float x);
+template <> __device__ __forceinline__ float round_to<float>(float x) { return x; }
+template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+template <> __device__ __forceinline__ float round_to<__half>(float x) {
+    return __half2float(__float2half_rn(x));
+}
 
 /* ---- warp and block reductions ----------------------------------------- */
 
@@ -263,6 +276,19 @@ extern mc_cublas_api mc_cublas;
 mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
                         float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
                         float beta, float *c, int64_t ldc, mc_err *err);
+
+/* out16[r * in + c] = x[r * ldx + c] rounded to nearest even into the
+ * backend's 16-bit linear_wtype (rows x in values, written densely). */
+mc_status mc_cuda_round_rows_16bit(mc_backend *be, const float *x, int64_t ldx, int64_t rows,
+                                   int64_t in, void *out16, mc_err *err);
+
+/* Row-major y[m, n] = beta * y + a16 w16^T: a16 [m, k] (row stride lda) and
+ * w16 [n, k] (row stride ldw) of the backend's 16-bit linear_wtype, products
+ * summed in float32 on the tensor cores into the float32 y (autocast's
+ * arithmetic). beta == 0 never reads y. */
+mc_status mc_cuda_gemm_16bit_nt(mc_backend *be, int64_t m, int64_t n, int64_t k, const void *a16,
+                                int64_t lda, const void *w16, int64_t ldw, float beta, float *y,
+                                int64_t ldy, mc_err *err);
 
 /* y[r, :cols] = beta * y + bias (beta == 0: y = bias, y never read);
  * bias NULL and beta 0: y = 0. */
