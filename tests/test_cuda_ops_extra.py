@@ -66,8 +66,14 @@ HEAD_DIM_CASES = [
     _attention_case("hd1-generic", 1, 3, 4, 1, [9]),
     _attention_case("hd96-generic", 1, 9, 2, 96, [40]),
     _attention_case("hd128-generic", 2, 20, 2, 128, [31, 2]),
-    _attention_case("hd160-naive-fallback", 1, 6, 1, 160, [17]),
-    _attention_case("hd512-vae-naive-fallback", 1, 16, 1, 512, [16]),
+    # head dims above 128 run on cuBLAS (attention_gemm): the VAE's 512, the VQVAE's 640, and
+    # batch, heads and segments (an empty one among them) through its loops and score columns
+    _attention_case("hd160-gemm", 1, 6, 1, 160, [17]),
+    _attention_case("hd512-vae-gemm", 1, 16, 1, 512, [16]),
+    _attention_case("hd640-vqvae-gemm", 1, 256, 1, 640, [256]),
+    _attention_case("hd192-gemm-b2-h3-segs17-0-5", 2, 9, 3, 192, [17, 0, 5]),
+    _attention_case("hd144-gemm-b2-h2-mixed-strides", 2, 5, 2, 144, [17, 1, 9], layout="mixed"),
+    _attention_case("hd256-gemm-cache-peaky", 2, 5, 2, 256, [17, 0, 3], layout="cache", magnitude=4.0),
     _attention_case("hd64-q1-many-tiles", 1, 1, 2, 64, [100, 0, 65]),
     _attention_case("hd80-q37-fused", 2, 37, 2, 80, None, layout="fused"),
 ]

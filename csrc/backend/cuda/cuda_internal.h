@@ -34,6 +34,7 @@ enum {
     MC_CUDA_SLOT_HALF_X = 2,  /* linear's input rounded to the 16-bit weight type */
     MC_CUDA_SLOT_SAMPLING = 3, /* sample_tokens: per-block weights and sort keys */
     MC_CUDA_SLOT_HALF_W = 4,  /* a 16-bit convolution's weights rounded to the type */
+    MC_CUDA_SLOT_SCORES = 5,  /* attention's score matrix at head dims above 128 */
 };
 
 typedef struct cuda_state {
@@ -243,6 +244,22 @@ template <typename T> __device__ T mc_block_sum(T v, T *shared) {
     total = mc_warp_sum(total);
     __syncthreads();
     return total;
+}
+
+/* Maximum over the whole block (fmaxf skips NaN; -inf where every value is
+ * NaN, as a loop of fmaxf from -inf gives), as mc_block_sum: every thread gets it, `shared` holds 32 values, ends with
+ * a barrier. */
+__device__ __forceinline__ float mc_block_max(float v, float *shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = mc_warp_max(v);
+    if (lane == 0)
+        shared[warp] = v;
+    __syncthreads();
+    float m = lane < warps ? shared[lane] : -INFINITY;
+    m = mc_warp_max(m);
+    __syncthreads();
+    return m;
 }
 
 /* ---- cuBLAS ------------------------------------------------------------- */
