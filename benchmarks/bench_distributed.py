@@ -60,22 +60,35 @@ def ray_run(out, args, workers, shards_per_worker):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=64)
-    parser.add_argument("--per-class", type=int, default=7)
+    parser.add_argument("--per-class", type=int, default=None,
+                        help="images per class, class-major (default: enough for --n over the 10 digits)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=digits.STEPS)
     parser.add_argument("--shards", type=int, default=8, help="S of the 'ray 1x1, S shards' configuration")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpus", type=float, default=0, help="GPUs per worker (0: CPU workers)")
     args = parser.parse_args()
+    if args.per_class is None:
+        args.per_class = -(-args.n // 10)
+    if args.n > 10 * args.per_class:
+        parser.error(f"--n {args.n} images at --per-class {args.per_class} need more than the 10 digit classes")
 
     import ray
 
     os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     ray.init(num_cpus=2 if not args.gpus else None, include_dashboard=False, log_to_driver=False)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if args.gpus and gpus < args.gpus:
+        ray.shutdown()
+        raise SystemExit(f"--gpus {args.gpus}: the Ray cluster has {gpus:g} GPUs, so no worker could start")
     configs = [("1 process", lambda out: single_process(out, args)),
                ("ray 1x1", lambda out: ray_run(out, args, 1, 1)),
                ("ray 2x1", lambda out: ray_run(out, args, 2, 1)),
                (f"ray 1x1, {args.shards} shards", lambda out: ray_run(out, args, 1, args.shards))]
+    if args.gpus and gpus < 2 * args.gpus:  # two workers would wait for GPUs forever
+        print(f"ray 2x1 left out: two workers of {args.gpus:g} GPU need {2 * args.gpus:g}, the cluster has {gpus:g}",
+              file=sys.stderr)
+        configs = [c for c in configs if c[0] != "ray 2x1"]
     times = {name: [] for name, _ in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
