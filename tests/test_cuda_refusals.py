@@ -65,15 +65,11 @@ REFUSAL_RULES = {
         and _attention_grid_upper_bound(inputs, params) > INT32_MAX),
     "cuda gemm: sizes m=%lld n=%lld k=%lld (lda %lld, ldb %lld, ldc %lld) exceed cuBLAS's "
     "32-bit arguments": (
-        "cuda_blas.cu, mc_cuda_sgemm (gemm, fp32 linear, conv2d, conv2d_ex)",
+        "cuda_blas.cu, gemm_of_type (gemm, linear, conv2d, conv2d_ex, attention above head dim 128)",
         lambda op, inputs, params: _largest_extent(inputs) > INT32_MAX),
     "cuda linear: sizes rows=%lld in=%lld out=%lld exceed cuBLAS's 32-bit arguments": (
         "cuda_blas.cu, gemm_16bit_weights",
         lambda op, inputs, params: op == "linear" and _largest_extent(inputs) > INT32_MAX),
-    "cuda 16-bit gemm: sizes m=%lld n=%lld k=%lld (lda %lld, ldw %lld, ldy %lld) exceed cuBLAS's "
-    "32-bit arguments": (
-        "cuda_blas.cu, mc_cuda_gemm_16bit_nt (16-bit linear, conv2d, conv2d_ex)",
-        lambda op, inputs, params: params.get("wtype", "fp32") != "fp32" and _largest_extent(inputs) > INT32_MAX),
     "cuda groupnorm: %lld blocks exceed the grid limit": (
         "cuda_conv.cu, mc_cuda_groupnorm: batch * groups * chunks of the group",
         lambda op, inputs, params: op == "groupnorm" and np.size(inputs[0]) > INT32_MAX),

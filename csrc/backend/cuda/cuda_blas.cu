@@ -110,9 +110,13 @@ mc_status mc_cuda_relu_rows(mc_backend *be, float *y, int64_t rows, int64_t cols
 
 static int fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
-mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
-                        float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
-                        float beta, float *c, int64_t ldc, mc_err *err) {
+/* Row-major C[m,n] = alpha op(A) op(B) + beta C, A and B of element type
+ * `type` (float32 or the 16-bit weight type), C float32, fp32 compute (no
+ * TF32). The body of mc_cuda_sgemm and mc_cuda_gemm_16bit_nt. */
+static mc_status gemm_of_type(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n,
+                              int64_t k, float alpha, const void *a, int64_t lda, const void *b,
+                              int64_t ldb, cudaDataType_t type, float beta, float *c, int64_t ldc,
+                              mc_err *err) {
     if (m <= 0 || n <= 0)
         return MC_OK;
     if (k <= 0) /* an empty sum: C = beta * C (cuBLAS would reject lda = 0) */
@@ -128,10 +132,17 @@ mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int
     /* C^T[n, m] = op(B)^T op(A)^T: B first, with B's own flag (see the top). */
     MC_CUBLAS_TRY(mc_cublas.gemm_ex(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m, (int)k, &alpha,
-                               b, CUDA_R_32F, (int)ldb, a, CUDA_R_32F, (int)lda, &beta, c,
-                               CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                               b, type, (int)ldb, a, type, (int)lda, &beta, c, CUDA_R_32F,
+                               (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                   err);
     return MC_OK;
+}
+
+mc_status mc_cuda_sgemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                        float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                        float beta, float *c, int64_t ldc, mc_err *err) {
+    return gemm_of_type(be, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, CUDA_R_32F, beta, c,
+                        ldc, err);
 }
 
 mc_status mc_cuda_gemm(mc_backend *be, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
@@ -159,27 +170,9 @@ mc_status mc_cuda_round_rows_16bit(mc_backend *be, const float *x, int64_t ldx, 
 mc_status mc_cuda_gemm_16bit_nt(mc_backend *be, int64_t m, int64_t n, int64_t k, const void *a16,
                                 int64_t lda, const void *w16, int64_t ldw, float beta, float *y,
                                 int64_t ldy, mc_err *err) {
-    if (m <= 0 || n <= 0)
-        return MC_OK;
-    if (!fits_int(m) || !fits_int(n) || !fits_int(k) || !fits_int(lda) || !fits_int(ldw) ||
-        !fits_int(ldy))
-        return mc_fail(err, MC_ERR_VALUE,
-                       "cuda 16-bit gemm: sizes m=%lld n=%lld k=%lld (lda %lld, ldw %lld, ldy %lld) "
-                       "exceed cuBLAS's 32-bit arguments",
-                       (long long)m, (long long)n, (long long)k, (long long)lda, (long long)ldw,
-                       (long long)ldy);
-    if (k <= 0) /* an empty sum: y = beta * y */
-        return mc_cuda_prefill_bias(be, y, m, n, ldy, NULL, beta, err);
-    const cudaDataType_t type = be->linear_wtype == MC_WTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const float alpha = 1.0f;
-    /* Row-major y[m, n] = a16 w16^T is column-major y^T = w16 a16^T:
-     * w16 [n, k] row-major is column-major [k, n], so op(w16) = T. */
-    MC_CUBLAS_TRY(mc_cublas.gemm_ex(cuda_st(be)->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m,
-                                    (int)k, &alpha, w16, type, (int)ldw, a16, type, (int)lda, &beta,
-                                    y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT),
-                  err);
-    return MC_OK;
+    return gemm_of_type(be, 0, 1, m, n, k, 1.0f, a16, lda, w16, ldw,
+                        be->linear_wtype == MC_WTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F, beta, y, ldy,
+                        err);
 }
 
 /* y = beta * y + x W^T with W of the backend's 16-bit weight type: x is
