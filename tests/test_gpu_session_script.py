@@ -64,7 +64,7 @@ def _index(calls, fragment):
 
 
 @pytest.mark.parametrize("step,runs", [("tests", "-m pytest"), ("bench", "bench_gpu.py"),
-                                       ("var", "bench_var_gpu.py")])
+                                       ("var", "bench_var_gpu.py"), ("profile", "profile_var_gpu.py")])
 def test_step_builds_when_the_extension_is_missing(session_tree, step, runs):
     proc, calls = run_session(session_tree, step)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -74,7 +74,7 @@ def test_step_builds_when_the_extension_is_missing(session_tree, step, runs):
 
 
 @pytest.mark.parametrize("step,runs", [("tests", "-m pytest"), ("bench", "bench_gpu.py"),
-                                       ("var", "bench_var_gpu.py")])
+                                       ("var", "bench_var_gpu.py"), ("profile", "profile_var_gpu.py")])
 def test_step_does_not_rebuild_a_cuda_build(session_tree, step, runs):
     proc, calls = run_session(session_tree, step, built=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -101,3 +101,15 @@ def test_var_runs_both_var_benchmarks_and_passes_arguments_through(session_tree)
     run = _index(calls, "bench_var_gpu.py")
     assert run is not None and "--models d16 --batches 16" in calls[run], calls
     assert _index(calls, "bench_var.py --fastvar") is None, calls
+
+
+def test_profile_defaults_and_passes_arguments_through(session_tree):
+    """`profile` alone profiles VAR-d16 at batch 16; `profile ARGS` passes ARGS; both write
+    the JSON into $OUT."""
+    proc, calls = run_session(session_tree, "profile", built=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = _index(calls, "profile_var_gpu.py")
+    assert run is not None and "--model d16 --batch 16 --json" in calls[run], calls
+    proc, calls = run_session(session_tree, "profile", "--model", "d30", "--batch", "64", built=True)
+    run = _index(calls, "profile_var_gpu.py")
+    assert run is not None and "--model d30 --batch 64 --json" in calls[run], calls

@@ -5,10 +5,14 @@
 #   run(command="bash tools/gpu_session.sh build tests", carry=[".whl"])
 #   run(command="bash tools/gpu_session.sh bench --quick", carry=[".whl", ".official"])
 #   run(command="bash tools/gpu_session.sh var", carry=[".whl", ".official"])
+#   run(command="bash tools/gpu_session.sh profile", carry=[".whl"])
 #
 # Measured on the first GPU session (2026-11-27, H100, 16 cores): build 46 s; tests 129 s
 # for the four MAR files the list then held (on the 2-core development machine the full
 # list below takes 144 s with its CUDA cases skipped); bench --quick --configs base 120 s.
+# On the second (2026-11-29, H200): build ~50 s; tests 166 s for the nine files below;
+# var --models d16 d30 --batches 16 64 ~110 s (the d30 weights written first); profile
+# ~15 s. A fresh machine took about a minute to start.
 #
 # Steps (any order, default build tests bench): build (MARCACHE_CUDA=1, in place; kept
 # between calls on a warm machine, and run by the other steps first when no CUDA-enabled
@@ -16,7 +20,9 @@
 # skipping), bench [ARGS] (benchmarks/bench_gpu.py ARGS, default --quick: MAR against the
 # official code), var [ARGS] (benchmarks/bench_var_gpu.py ARGS, default d16 and d30 at
 # batch 16 and 64 against the official VAR code; then bench_var.py's FastVAR d30 batch-64
-# bf16 point). bench and var take the rest of the line as their arguments. Logs and JSON
+# bf16 point), profile [ARGS] (benchmarks/profile_var_gpu.py ARGS, default VAR-d16 at
+# batch 16 in bf16: the GPU time of every kernel, the scale loop and the decode apart).
+# bench, var and profile take the rest of the line as their arguments. Logs and JSON
 # go to $OUT (the device tool brings them back) or ./gpu_out.
 #
 # Carried folders (ignored by git; see the device README): .whl holds the wheels the
@@ -33,9 +39,9 @@ steps=("$@")
 for step in "${steps[@]}"; do
     case "$step" in
     build | tests) ;;
-    bench | var) break ;; # the rest are the benchmark's arguments
+    bench | var | profile) break ;; # the rest are the benchmark's arguments
     *)
-        echo "unknown step '$step' (build, tests, bench [ARGS], var [ARGS])" >&2
+        echo "unknown step '$step' (build, tests, bench [ARGS], var [ARGS], profile [ARGS])" >&2
         exit 2
         ;;
     esac
@@ -117,6 +123,14 @@ run_var() {
     return $status
 }
 
+run_profile() {
+    ensure_built || return 1
+    local args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=(--model d16 --batch 16)
+    "$PY" benchmarks/profile_var_gpu.py "${args[@]}" --json "$OUT/profile_var_gpu.json" 2>&1 \
+        | tee "$OUT/profile.log" | head -80
+}
+
 i=0
 while [ $i -lt ${#steps[@]} ]; do
     case "${steps[$i]}" in
@@ -129,6 +143,10 @@ while [ $i -lt ${#steps[@]} ]; do
         ;;
     var)
         run_var "${steps[@]:$((i + 1))}" || status=1
+        break
+        ;;
+    profile)
+        run_profile "${steps[@]:$((i + 1))}" || status=1
         break
         ;;
     esac
