@@ -852,8 +852,9 @@ def ref_conv2d_ex_rounded_operands(inputs, p):
     return ref_conv2d_ex((x, w) + tuple(inputs[2:]), p)
 
 
-# 16-bit conv2d_ex, as conv2d's: the strided (pixel-stride) input and output, a pointwise
-# one read in place in float32, stride 2 with ReLU, and the plain-loop kernel.
+# 16-bit conv2d_ex, as conv2d's: a pointwise one on strided (pixel-stride) input and output
+# (its fp32 form reads x in place; the 16-bit one rounds it first), stride 2 with ReLU, a
+# residual beta, and the plain-loop kernel.
 for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
     for name, args, kwargs in [("b2-6x5-c16to9-k1-sliced-in-out", (2, 6, 5, 16, 9, 1, 1),
                                 dict(strided=True, relu=True)),

@@ -79,11 +79,12 @@ int mcpy_add_type(PyObject *module, PyTypeObject *type, const char *name, PyMeth
         mcpy_model_dealloc((mcpy_model_object *)self, prefix##_release_model); \
     }
 
-/* The life cycle of a float32 model that waits for its lock and keeps an
- * info struct (VAE, VQVAE): MCPY_MODEL_LIFECYCLE, the loader
- * `<prefix>_load` (load_fn) and `<prefix>_init(path, num_threads=0,
- * device='cpu', dtype='fp32')` (dtype: the backend's linear_wtype), which sets self-><member> (a `model_type *`) and fills
- * self->info with info_fn once the load has succeeded. */
+/* The life cycle of a model that waits for its lock and keeps an info
+ * struct (VAE, VQVAE): MCPY_MODEL_LIFECYCLE, the loader `<prefix>_load`
+ * (load_fn) and `<prefix>_init(path, num_threads=0, device='cpu',
+ * dtype='fp32')` (dtype: the backend's linear_wtype), which sets
+ * self-><member> (a `model_type *`) and fills self->info with info_fn once
+ * the load has succeeded. */
 #define MCPY_PATH_MODEL(prefix, type, model_type, member, free_fn, load_fn, info_fn)                      \
     MCPY_MODEL_LIFECYCLE(prefix, type, member, free_fn)                                                 \
     static mc_status prefix##_load(mc_backend *backend, mc_st_file *file, void *model, mc_err *err) {   \
