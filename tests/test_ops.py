@@ -90,9 +90,17 @@ def ref_linear_rounded_operands(inputs, p):
                       act=p.get("act", "none"), beta=p.get("beta", 0.0), y=y)
 
 
+def per_row(mod, period, rows):
+    """Row r of a per-group array (one row per `period` rows, as an adaLN row per
+    sequence): mod[r // period], for the float64 references that take one row per row."""
+    return None if mod is None else np.repeat(np.asarray(mod), period, axis=0)[:rows]
+
+
 def ref_layernorm(inputs, p):
     x, w, b, shift, scale = (tuple(inputs) + (None,) * 5)[:5]
-    return ref.layernorm(x, w, b, eps=p["eps"], shift=shift, scale=scale)
+    period = p.get("mod_period", 1)
+    return ref.layernorm(x, w, b, eps=p["eps"], shift=per_row(shift, period, len(x)),
+                         scale=per_row(scale, period, len(x)))
 
 
 def ref_activation(inputs, p):
@@ -104,7 +112,8 @@ def ref_add_rows(inputs, p):
 
 
 def ref_gated_add(inputs, p):
-    return ref.gated_add(*inputs)
+    y, u, gate = inputs
+    return ref.gated_add(y, u, per_row(gate, p.get("gate_period", 1), len(y)))
 
 
 def ref_gather_rows(inputs, p):
@@ -315,17 +324,21 @@ case("linear", "33x1024x65-long-in", tol=2e-5)(linear_builder(33, 1024, 65, "gel
 # layernorm: plain, affine, adaLN modulation (shift/scale as column slices of
 # one [rows, 6 * dim] modulation buffer, as the DiT blocks use), in place.
 def layernorm_builder(rows, dim, affine="wb", modulate=False, inplace=False, strided=False,
-                      offset=0.0):
+                      offset=0.0, mod_period=None):
     def build(rng):
         x = (column_slice(rng, rows, dim, offset=offset) if strided
              else randn(rng, rows, dim, offset=offset))
         w = randn(rng, dim, offset=1.0) if "w" in affine else None
         b = randn(rng, dim) if "b" in affine else None
         inputs = (x, w, b)
+        params = {"eps": f32(1e-6), "inplace": inplace}
         if modulate:
-            mod = randn(rng, rows, 6 * dim, scale=0.5)
+            groups = rows if mod_period is None else -(-rows // mod_period)
+            mod = randn(rng, groups, 6 * dim, scale=0.5)
             inputs += (mod[:, 0:dim], mod[:, dim:2 * dim])
-        return inputs, {"eps": f32(1e-6), "inplace": inplace}
+        if mod_period is not None:
+            params["mod_period"] = mod_period
+        return inputs, params
     return build
 
 
@@ -341,6 +354,13 @@ case("layernorm", "17x65-strided-inplace-adaln")(layernorm_builder(17, 65, modul
                                                                     inplace=True, strided=True))
 case("layernorm", "17x33-strided")(layernorm_builder(17, 33, strided=True))
 case("layernorm", "17x65-offset100")(layernorm_builder(17, 65, offset=100.0))
+# One adaLN row per sequence (VAR): rows // mod_period picks it; a last sequence cut short,
+# one sequence of all rows, and a period of 1 (the per-row form) given explicitly.
+case("layernorm", "17x65-adaln-period5")(layernorm_builder(17, 65, affine="", modulate=True, mod_period=5))
+case("layernorm", "64x1024-adaln-period16-strided")(layernorm_builder(64, 1024, affine="", modulate=True,
+                                                                      strided=True, mod_period=16))
+case("layernorm", "9x33-adaln-period9")(layernorm_builder(9, 33, affine="", modulate=True, mod_period=9))
+case("layernorm", "9x33-adaln-period1")(layernorm_builder(9, 33, modulate=True, mod_period=1))
 
 
 # activation: in place on [rows, dim], values wide enough to reach the tails.
@@ -392,19 +412,24 @@ case("add_rows", "17x80-period3-strided")(add_rows_builder(17, 80, 3, strided=Tr
 
 
 # gated_add: y += gate * u; gate and u as slices of an adaLN modulation buffer.
-def gated_add_builder(rows, dim, strided=False):
+def gated_add_builder(rows, dim, strided=False, gate_period=None):
     def build(rng):
+        params = {} if gate_period is None else {"gate_period": gate_period}
+        groups = rows if gate_period is None else -(-rows // gate_period)
         if strided:
             y = column_slice(rng, rows, dim)
             mod = randn(rng, rows, 6 * dim)
-            return (y, mod[:, 5 * dim:], mod[:, 2 * dim:3 * dim]), {}
-        return (randn(rng, rows, dim), randn(rng, rows, dim), randn(rng, rows, dim)), {}
+            return (y, mod[:, 5 * dim:], mod[:groups, 2 * dim:3 * dim]), params
+        return (randn(rng, rows, dim), randn(rng, rows, dim), randn(rng, groups, dim)), params
     return build
 
 
 for rows, dim in [(1, 1), (3, 17), (17, 65), (65, 1024)]:
     case("gated_add", "%dx%d" % (rows, dim))(gated_add_builder(rows, dim))
 case("gated_add", "17x33-strided")(gated_add_builder(17, 33, strided=True))
+# one gate row per sequence (VAR's gamma): the last sequence cut short, and strided operands
+case("gated_add", "17x65-period5")(gated_add_builder(17, 65, gate_period=5))
+case("gated_add", "64x1024-period16-strided")(gated_add_builder(64, 1024, strided=True, gate_period=16))
 
 
 # gather_rows / scatter_rows: copies, exact.

@@ -52,14 +52,16 @@ MC_OP(linear, ALL,
       2 * rows * in * out)
 
 /* y = LN(x) over dim with biased variance and eps; then * w + b when w
- * (and b) are non-NULL; then * (1 + scale[r]) + shift[r] when shift and
- * scale (always both) are non-NULL (adaLN, rows of length dim with stride
- * ld_mod). Statistics in double. y may be x. */
+ * (and b) are non-NULL; then * (1 + scale[m]) + shift[m] with m = r /
+ * mod_period when shift and scale (always both) are non-NULL (adaLN, rows
+ * of length dim with stride ld_mod; mod_period >= 1 rows share one, as the
+ * tokens of one sequence share its adaLN row). Statistics in double. y may
+ * be x. */
 MC_OP(layernorm, ALL,
       (mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim, const float *w,
        const float *b, float eps, const float *shift, const float *scale, int64_t ld_mod,
-       float *y, int64_t ldy, mc_err *err),
-      (be, x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, y, ldy, err),
+       int64_t mod_period, float *y, int64_t ldy, mc_err *err),
+      (be, x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, mod_period, y, ldy, err),
       0)
 
 /* In place: x = act(x). */
@@ -75,11 +77,13 @@ MC_OP(add_rows, ALL,
       (be, y, ldy, rows, dim, v, ldv, period, err),
       0)
 
-/* y += gate * u, elementwise over [rows, dim] (adaLN gated residual). */
+/* y[r] += gate[r / gate_period] * u[r], elementwise over [rows, dim] (adaLN
+ * gated residual; gate_period >= 1 rows share one gate row, as a
+ * sequence's tokens share its gate). */
 MC_OP(gated_add, ALL,
       (mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu, const float *gate,
-       int64_t ldg, int64_t rows, int64_t dim, mc_err *err),
-      (be, y, ldy, u, ldu, gate, ldg, rows, dim, err),
+       int64_t ldg, int64_t gate_period, int64_t rows, int64_t dim, mc_err *err),
+      (be, y, ldy, u, ldu, gate, ldg, gate_period, rows, dim, err),
       0)
 
 /* dst[i, :] = src[idx[i], :] for i < rows (idx in backend memory). */

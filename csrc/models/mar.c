@@ -453,7 +453,7 @@ static mc_status block_attn(mc_mar *m, const mc_mar_block *blk, float *x, int64_
     if (!normed || !qkv || !attn)
         return err->status;
     MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL,
-                          0, normed, dim, err));
+                          0, 1, normed, dim, err));
     MC_TRY(ops->linear(be, normed, dim, rows, dim, blk->qkv_w, blk->qkv_b, 3 * dim, MC_ACT_NONE,
                        0.0f, qkv, 3 * dim, err));
     if (io != NULL)
@@ -479,7 +479,7 @@ static mc_status block_mlp(mc_mar *m, const mc_mar_block *blk, float *x, int64_t
         int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
         float *xr = x + r0 * dim;
         MC_TRY(ops->layernorm(be, xr, dim, n, dim, blk->norm2_w, blk->norm2_b, MAR_LN_EPS, NULL,
-                              NULL, 0, normed, dim, err));
+                              NULL, 0, 1, normed, dim, err));
         MC_TRY(ops->linear(be, normed, dim, n, dim, blk->fc1_w, blk->fc1_b, hidden, MC_ACT_GELU,
                            0.0f, mlp_hidden, hidden, err));
         MC_TRY(ops->linear(be, mlp_hidden, hidden, n, hidden, blk->fc2_w, blk->fc2_b, dim,
@@ -578,8 +578,8 @@ static mc_status block_read_rows(mc_mar *m, const mc_mar_block *blk, float *x, i
     float *qkv = ln ? ACT_FLOATS(m, qkv, (size_t)(rows * 3 * dim), err) : NULL;
     if (qkv == NULL)
         return err->status;
-    MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL, 0, ln, dim,
-                          err));
+    MC_TRY(ops->layernorm(be, x, dim, rows, dim, blk->norm1_w, blk->norm1_b, MAR_LN_EPS, NULL, NULL, 0, 1, ln,
+                          dim, err));
     /* k and v of every row: the rows dim..3 dim of the fused weight, into
      * their columns of qkv (where store_kv and the keys read them). */
     MC_TRY(ops->linear(be, ln, dim, rows, dim, (const char *)blk->qkv_w + (size_t)dim * w_row_bytes,
@@ -671,7 +671,7 @@ mc_status mc_mar_encoder_input(mc_mar *m, const mc_mar_batch *batch, float *x, m
         MC_TRY(ops->scatter_rows(be, proj, D, d_dst, n, D, x, D, err));
     }
     return ops->layernorm(be, x, D, B * rows_per, D, m->z_proj_ln_w, m->z_proj_ln_b, MAR_LN_EPS,
-                          NULL, NULL, 0, x, D, err);
+                          NULL, NULL, 0, 1, x, D, err);
 }
 
 mc_status mc_mar_decoder_input(mc_mar *m, const float *enc, int64_t n_seq, int64_t n_tok,
@@ -737,7 +737,7 @@ mc_status mc_mar_output_rows(mc_mar *m, const float *x, const int32_t *src_rows,
         MC_TRY(ops->add_rows(be, z_out, Dd, n_out, Dd, tmp, Dd, n_out, err));
     }
     MC_TRY(ops->layernorm(be, z_out, Dd, n_out, Dd, m->dec_norm_w, m->dec_norm_b, MAR_LN_EPS, NULL,
-                          NULL, 0, z_out, Dd, err));
+                          NULL, 0, 1, z_out, Dd, err));
     MC_TRY(ops->gather_rows(be, m->diff_pos, Dd, d_pos, n_out, Dd, tmp, Dd, err));
     return ops->add_rows(be, z_out, Dd, n_out, Dd, tmp, Dd, n_out, err);
 }
@@ -821,7 +821,7 @@ mc_status mc_mar_transformer_ex(mc_mar *m, const mc_mar_batch *batch, const int3
         MC_TRY(mc_mar_block_mlp(m, &m->enc_blocks[i], x, B * rows_per, D, c->mlp_hidden, err));
     }
     MC_TRY(ops->layernorm(be, x, D, B * rows_per, D, m->enc_norm_w, m->enc_norm_b, MAR_LN_EPS, NULL,
-                          NULL, 0, x, D, err));
+                          NULL, 0, 1, x, D, err));
 
     float *f = ACT_FLOATS(m, dec_x, (size_t)(B * L * Dd), err);
     if (f == NULL)
@@ -925,7 +925,7 @@ mc_status mc_mar_head_block_mlp(mc_mar *m, int64_t j, const mc_mar_head_acts *b,
     MC_TRY(ops->linear(be, b->y, W, rows, W, r->ada_w, r->ada_b, 3 * W, MC_ACT_NONE, 0.0f, b->ada,
                        3 * W, err));
     MC_TRY(ops->layernorm(be, b->h, W, rows, W, r->in_ln_w, r->in_ln_b, MAR_LN_EPS, b->ada, b->ada + W,
-                          3 * W, b->u, W, err));
+                          3 * W, 1, b->u, W, err));
     MC_TRY(ops->linear(be, b->u, W, rows, W, r->mlp0_w, r->mlp0_b, W, MC_ACT_SILU, 0.0f, b->u2, W, err));
     return ops->linear(be, b->u2, W, rows, W, r->mlp2_w, r->mlp2_b, W, MC_ACT_NONE, 0.0f, b->u, W, err);
 }
@@ -946,8 +946,8 @@ mc_status mc_mar_head_final(mc_mar *m, const mc_mar_head_acts *b, int64_t rows, 
     const int64_t W = m->config.head_width, C = m->config.token_channels;
     MC_TRY(ops->linear(be, b->y, W, rows, W, m->final_ada_w, m->final_ada_b, 2 * W, MC_ACT_NONE, 0.0f,
                        b->ada, 2 * W, err));
-    MC_TRY(ops->layernorm(be, b->h, W, rows, W, NULL, NULL, MAR_LN_EPS, b->ada, b->ada + W, 2 * W, b->u, W,
-                          err));
+    MC_TRY(ops->layernorm(be, b->h, W, rows, W, NULL, NULL, MAR_LN_EPS, b->ada, b->ada + W, 2 * W, 1, b->u,
+                          W, err));
     return ops->linear(be, b->u, W, rows, W, m->final_linear_w, m->final_linear_b, 2 * C, MC_ACT_NONE, 0.0f,
                        out, 2 * C, err);
 }
@@ -960,7 +960,7 @@ mc_status mc_mar_head_forward(mc_mar *m, const float *x, int64_t rows, int x_dup
     MC_TRY(mc_mar_head_embed(m, &b, x, rows, x_duplicated, c_emb, t_emb, err));
     for (int64_t j = 0; j < m->config.head_depth; j++) {
         MC_TRY(mc_mar_head_block_mlp(m, j, &b, rows, err));
-        MC_TRY(m->backend->ops->gated_add(m->backend, b.h, W, b.u, W, b.ada + 2 * W, 3 * W, rows, W, err));
+        MC_TRY(m->backend->ops->gated_add(m->backend, b.h, W, b.u, W, b.ada + 2 * W, 3 * W, 1, rows, W, err));
     }
     return mc_mar_head_final(m, &b, rows, out, err);
 }

@@ -467,16 +467,18 @@ mc_status mc_var_scale_input(mc_var *var, int si, const float *next, int64_t n_m
 }
 
 /* y_b = LN(x_b) * (1 + scale_b) + shift_b for each sequence b of n_seq
- * sequences of `rows` rows: the modulation is one row per sequence, so
- * each sequence is one layernorm call whose modulation has row stride 0. */
+ * sequences of `rows` rows: the modulation is one row per sequence, so one
+ * layernorm call takes all of them with mod_period = rows. (A call per
+ * sequence, as before, was 10,560 launches of a VAR-d16 image at batch 16
+ * and 9% of its GPU time on an H200.) */
 static mc_status modulated_ln(mc_var *var, const float *x, int64_t n_seq, int64_t rows, const float *shift,
                               const float *scale, int64_t ld_mod, float *y, mc_err *err) {
     mc_backend *be = var->backend;
     const int64_t C = var->config.width;
-    for (int64_t b = 0; b < n_seq; b++)
-        MC_TRY(be->ops->layernorm(be, x + b * rows * C, C, rows, C, NULL, NULL, VAR_LN_EPS, shift + b * ld_mod,
-                                  scale + b * ld_mod, 0, y + b * rows * C, C, err));
-    return MC_OK;
+    if (rows == 0)
+        return MC_OK;
+    return be->ops->layernorm(be, x, C, n_seq * rows, C, NULL, NULL, VAR_LN_EPS, shift, scale, ld_mod, rows, y, C,
+                              err);
 }
 
 /* out (+)= gamma_b * u_b per sequence (gamma: one row per sequence, stride
@@ -487,10 +489,9 @@ static mc_status gamma_out(mc_var *var, const float *u, int64_t n_seq, int64_t r
     const int64_t C = var->config.width;
     if (mode == MC_VAR_OUT_SET) /* 0 * u (finite) = 0; gated_add then writes exactly gamma * u */
         MC_TRY(be->ops->axpby(be, 0.0f, u, C, 0.0f, out, C, n_seq * rows, C, err));
-    for (int64_t b = 0; b < n_seq; b++)
-        MC_TRY(be->ops->gated_add(be, out + b * rows * C, C, u + b * rows * C, C, gamma + b * ld_gamma, 0, rows, C,
-                                  err));
-    return MC_OK;
+    if (rows == 0)
+        return MC_OK;
+    return be->ops->gated_add(be, out, C, u, C, gamma, ld_gamma, rows, n_seq * rows, C, err);
 }
 
 /* Cache rows b * L + kv_used + r of a K/V append, uploaded once for every

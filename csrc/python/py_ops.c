@@ -40,13 +40,16 @@
  *                "fp16" (the backend's linear_wtype: W, given as float32,
  *                is rounded to it here as the model loader does) -> y
  *   layernorm    (x [rows,dim] strided, w [dim]=None, b [dim]=None,
- *                shift [rows,dim] strided=None, scale likewise=None); eps,
- *                inplace=False (y written over x) -> y.
- *                b needs w; shift and scale come together.
+ *                shift [m,dim] strided=None, scale likewise=None); eps,
+ *                inplace=False (y written over x), mod_period=1 (row r
+ *                takes shift/scale row r // mod_period; m = ceil(rows /
+ *                mod_period)) -> y. b needs w; shift and scale come together.
  *   activation   (x [rows,dim] strided,); act -> x
  *   add_rows     (y [rows,dim] strided, v [n,dim] strided); period=n
  *                (1 <= period <= n) -> y
- *   gated_add    (y, u, gate), each [rows,dim] strided -> y
+ *   gated_add    (y, u, gate), y and u [rows,dim], gate [ceil(rows /
+ *                gate_period),dim], all strided; gate_period=1 (row r
+ *                takes gate row r // gate_period) -> y
  *   gather_rows  (src [n,dim] strided, idx int32 [rows]) -> dst [rows,dim]
  *                (every idx in [0, n))
  *   scatter_rows (src [rows,dim] strided, idx int32 [rows], dst [n,dim]
@@ -927,12 +930,14 @@ static PyObject *run_linear(op_call *call) {
 }
 
 static PyObject *run_layernorm(op_call *call) {
-    static const char *const keys[] = {"eps", "inplace", NULL};
+    static const char *const keys[] = {"eps", "inplace", "mod_period", NULL};
     float eps;
     int inplace;
+    long long period;
     operand *in[5];
     if (check_param_keys(call, keys) < 0 || param_float(call, "eps", 1, 0.0f, &eps) < 0 ||
         param_bool(call, "inplace", 0, &inplace) < 0 ||
+        param_integer(call, "mod_period", 0, 1, 1, LLONG_MAX, &period) < 0 ||
         fetch_args(call, SPECS(IN("x", 2, LAYOUT_STRIDED), OPT_IN("w", 1, LAYOUT_CONTIGUOUS),
                                OPT_IN("b", 1, LAYOUT_CONTIGUOUS), OPT_IN("shift", 2, LAYOUT_STRIDED),
                                OPT_IN("scale", 2, LAYOUT_STRIDED)), in) < 0)
@@ -945,10 +950,11 @@ static PyObject *run_layernorm(op_call *call) {
     if ((shift == NULL) != (scale == NULL))
         return raise_value(call, "arguments 'shift' and 'scale' come together");
     int64_t rows = x->shape[0], dim = x->shape[1];
+    const int64_t mod_shape[2] = {(rows + period - 1) / period, dim};
     if ((w != NULL && check_dims(call, w, &dim) < 0) ||
         (b != NULL && check_dims(call, b, &dim) < 0) ||
-        (shift != NULL && check_dims(call, shift, x->shape) < 0) ||
-        (scale != NULL && check_dims(call, scale, x->shape) < 0))
+        (shift != NULL && check_dims(call, shift, mod_shape) < 0) ||
+        (scale != NULL && check_dims(call, scale, mod_shape) < 0))
         return NULL;
     /* shift and scale share ld_mod. */
     if (shift != NULL && operand_ld(shift) != operand_ld(scale) &&
@@ -959,7 +965,7 @@ static PyObject *run_layernorm(op_call *call) {
         return NULL;
     RETURN_OP(call, y, layernorm, x->device, operand_ld(x), rows, dim, DEVICE_OR_NULL(w),
               DEVICE_OR_NULL(b), eps, DEVICE_OR_NULL(shift), DEVICE_OR_NULL(scale),
-              shift != NULL ? operand_ld(shift) : dim, y->device, operand_ld(y));
+              shift != NULL ? operand_ld(shift) : dim, (int64_t)period, y->device, operand_ld(y));
 }
 
 static PyObject *run_activation(op_call *call) {
@@ -988,17 +994,20 @@ static PyObject *run_add_rows(op_call *call) {
 }
 
 static PyObject *run_gated_add(op_call *call) {
-    static const char *const keys[] = {NULL};
+    static const char *const keys[] = {"gate_period", NULL};
+    long long period;
     operand *in[3];
     if (check_param_keys(call, keys) < 0 ||
+        param_integer(call, "gate_period", 0, 1, 1, LLONG_MAX, &period) < 0 ||
         fetch_args(call, SPECS(IN("y", 2, LAYOUT_STRIDED), IN("u", 2, LAYOUT_STRIDED),
                                IN("gate", 2, LAYOUT_STRIDED)), in) < 0)
         return NULL;
     operand *y = in[0], *u = in[1], *gate = in[2];
-    if (check_dims(call, u, y->shape) < 0 || check_dims(call, gate, y->shape) < 0)
+    const int64_t gate_shape[2] = {(y->shape[0] + period - 1) / period, y->shape[1]};
+    if (check_dims(call, u, y->shape) < 0 || check_dims(call, gate, gate_shape) < 0)
         return NULL;
     RETURN_OP(call, y, gated_add, y->device, operand_ld(y), u->device, operand_ld(u), gate->device,
-              operand_ld(gate), y->shape[0], y->shape[1]);
+              operand_ld(gate), (int64_t)period, y->shape[0], y->shape[1]);
 }
 
 /* Every index in [0, limit); with `distinct`, no index twice. */

@@ -107,7 +107,7 @@ mc_status mc_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplica
         }
         if (mode == MC_HEAD_REUSE) {
             MC_TRY(mc_mar_head_block_gate(m, j, &a, rows, err));
-            MC_TRY(ops->gated_add(be, a.h, W, cache->mlp[j], W, a.ada, W, rows, W, err));
+            MC_TRY(ops->gated_add(be, a.h, W, cache->mlp[j], W, a.ada, W, 1, rows, W, err));
             continue;
         }
         if (skipped) /* STORE: delta = h_after - h_before, live rows */
@@ -115,7 +115,7 @@ mc_status mc_head_forward(mc_mar *m, const float *x, int64_t rows, int x_duplica
         MC_TRY(mc_mar_head_block_mlp(m, j, &a, rows, err));
         if (!skipped)
             MC_TRY(ops->copy(be, cache->mlp[j], a.u, (size_t)(live * W) * sizeof(float), err));
-        MC_TRY(ops->gated_add(be, a.h, W, a.u, W, a.ada + 2 * W, 3 * W, rows, W, err));
+        MC_TRY(ops->gated_add(be, a.h, W, a.u, W, a.ada + 2 * W, 3 * W, 1, rows, W, err));
         if (skipped)
             MC_TRY(ops->axpby(be, 1.0f, a.h, W, 1.0f, cache->delta[j], W, live, W, err));
     }

@@ -348,7 +348,7 @@ static mc_status encoder_phase(mc_mar_caches *tc, const mc_mar_step *s, float *f
             MC_TRY(mc_mar_block_mlp(mar, &mar->enc_blocks[i], x, nc * rows, D, c->mlp_hidden, err));
         }
         MC_TRY(ops->layernorm(be, x, D, nc * rows, D, mar->enc_norm_w, mar->enc_norm_b, 1e-6f, NULL, NULL, 0,
-                              x, D, err));
+                              1, x, D, err));
         MC_TRY(mc_mar_decoder_init(mar, f, nc, err));
         MC_TRY(mc_mar_decoder_input(mar, x, nc, K, s->known_pos, f, err));
         *flops += mc_flops_mar_encoder(c, nc, K, rows, rows);
@@ -386,7 +386,7 @@ static mc_status encoder_phase(mc_mar_caches *tc, const mc_mar_step *s, float *f
     }
     if (st == MC_OK)
         st = ops->layernorm(be, x, D, nc * q_rows, D, mar->enc_norm_w, mar->enc_norm_b, 1e-6f, NULL, NULL,
-                            0, x, D, err);
+                            0, 1, x, D, err);
     if (st == MC_OK)
         st = mc_mar_decoder_input(mar, x, nc, p, new_pos, tc->dec_input, err);
     if (st == MC_OK)

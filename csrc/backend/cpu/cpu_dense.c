@@ -188,10 +188,13 @@ static double row_sum_f64(const float *x, int64_t n, double mean, int squares) {
 
 mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
                            const float *w, const float *b, float eps, const float *shift,
-                           const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err) {
+                           const float *scale, int64_t ld_mod, int64_t mod_period, float *y, int64_t ldy,
+                           mc_err *err) {
     (void)be;
     if ((shift == NULL) != (scale == NULL))
         return mc_fail(err, MC_ERR_INTERNAL, "layernorm: shift and scale go together");
+    if (mod_period < 1)
+        return mc_fail(err, MC_ERR_INTERNAL, "layernorm: mod_period %lld is not positive", (long long)mod_period);
 #pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
@@ -208,7 +211,7 @@ mc_status mc_cpu_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t 
             for (int64_t i = 0; i < dim; i++)
                 yr[i] = yr[i] * w[i] + (b != NULL ? b[i] : 0.0f);
         if (scale != NULL) {
-            const float *sh = shift + r * ld_mod, *sc = scale + r * ld_mod;
+            const float *sh = shift + (r / mod_period) * ld_mod, *sc = scale + (r / mod_period) * ld_mod;
             for (int64_t i = 0; i < dim; i++)
                 yr[i] = yr[i] * (1.0f + sc[i]) + sh[i];
         }
@@ -240,13 +243,15 @@ mc_status mc_cpu_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, i
 }
 
 mc_status mc_cpu_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
-                           const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err) {
+                           const float *gate, int64_t ldg, int64_t gate_period, int64_t rows, int64_t dim,
+                           mc_err *err) {
     (void)be;
-    (void)err;
+    if (gate_period < 1)
+        return mc_fail(err, MC_ERR_INTERNAL, "gated_add: gate_period %lld is not positive", (long long)gate_period);
 #pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (rows * dim >= MC_PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * ldy;
-        const float *ur = u + r * ldu, *gr = gate + r * ldg;
+        const float *ur = u + r * ldu, *gr = gate + (r / gate_period) * ldg;
         for (int64_t i = 0; i < dim; i++)
             yr[i] += gr[i] * ur[i];
     }

@@ -21,11 +21,13 @@
 
 __global__ void layernorm_kernel(const float *x, int64_t ldx, int64_t rows, int64_t dim,
                                  const float *w, const float *b, float eps, const float *shift,
-                                 const float *scale, int64_t ld_mod, float *y, int64_t ldy) {
+                                 const float *scale, int64_t ld_mod, int64_t mod_period, float *y,
+                                 int64_t ldy) {
     __shared__ double red[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
+        const int64_t mod = (r / mod_period) * ld_mod; /* the row's adaLN row (ops_list.h) */
         double sum = 0.0;
         for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
             sum += (double)xr[i];
@@ -41,7 +43,7 @@ __global__ void layernorm_kernel(const float *x, int64_t ldx, int64_t rows, int6
             if (w != NULL)
                 v = v * w[i] + (b != NULL ? b[i] : 0.0f);
             if (scale != NULL)
-                v = v * (1.0f + scale[r * ld_mod + i]) + shift[r * ld_mod + i];
+                v = v * (1.0f + scale[mod + i]) + shift[mod + i];
             yr[i] = v;
         }
     }
@@ -49,9 +51,12 @@ __global__ void layernorm_kernel(const float *x, int64_t ldx, int64_t rows, int6
 
 mc_status mc_cuda_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t dim,
                             const float *w, const float *b, float eps, const float *shift,
-                            const float *scale, int64_t ld_mod, float *y, int64_t ldy, mc_err *err) {
+                            const float *scale, int64_t ld_mod, int64_t mod_period, float *y, int64_t ldy,
+                            mc_err *err) {
     if ((shift == NULL) != (scale == NULL))
         return mc_fail(err, MC_ERR_INTERNAL, "layernorm: shift and scale go together");
+    if (mod_period < 1)
+        return mc_fail(err, MC_ERR_INTERNAL, "layernorm: mod_period %lld is not positive", (long long)mod_period);
     if (rows <= 0 || dim <= 0)
         return MC_OK;
     MC_TRY(mc_cuda_enter(be, err));
@@ -59,7 +64,7 @@ mc_status mc_cuda_layernorm(mc_backend *be, const float *x, int64_t ldx, int64_t
      * threads; 64 threads still cover them in a few strides. */
     int threads = dim <= 256 ? 64 : LN_THREADS;
     layernorm_kernel<<<mc_cuda_blocks(rows, 1), threads, 0, cuda_st(be)->stream>>>(
-        x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, y, ldy);
+        x, ldx, rows, dim, w, b, eps, shift, scale, ld_mod, mod_period, y, ldy);
     MC_CUDA_LAUNCHED("layernorm_kernel", err);
     return MC_OK;
 }
@@ -88,20 +93,24 @@ mc_status mc_cuda_add_rows(mc_backend *be, float *y, int64_t ldy, int64_t rows, 
 }
 
 __global__ void gated_add_kernel(float *y, int64_t ldy, const float *u, int64_t ldu,
-                                 const float *gate, int64_t ldg, int64_t rows, int64_t dim) {
+                                 const float *gate, int64_t ldg, int64_t gate_period, int64_t rows,
+                                 int64_t dim) {
     MC_GRID_STRIDE_LOOP(i, rows * dim) {
         int64_t r = i / dim, c = i - r * dim;
-        y[r * ldy + c] += gate[r * ldg + c] * u[r * ldu + c];
+        y[r * ldy + c] += gate[(r / gate_period) * ldg + c] * u[r * ldu + c];
     }
 }
 
 mc_status mc_cuda_gated_add(mc_backend *be, float *y, int64_t ldy, const float *u, int64_t ldu,
-                            const float *gate, int64_t ldg, int64_t rows, int64_t dim, mc_err *err) {
+                            const float *gate, int64_t ldg, int64_t gate_period, int64_t rows, int64_t dim,
+                            mc_err *err) {
+    if (gate_period < 1)
+        return mc_fail(err, MC_ERR_INTERNAL, "gated_add: gate_period %lld is not positive", (long long)gate_period);
     if (rows <= 0 || dim <= 0)
         return MC_OK;
     MC_TRY(mc_cuda_enter(be, err));
     gated_add_kernel<<<mc_cuda_blocks(rows * dim, MC_CUDA_THREADS), MC_CUDA_THREADS, 0,
-                       cuda_st(be)->stream>>>(y, ldy, u, ldu, gate, ldg, rows, dim);
+                       cuda_st(be)->stream>>>(y, ldy, u, ldu, gate, ldg, gate_period, rows, dim);
     MC_CUDA_LAUNCHED("gated_add_kernel", err);
     return MC_OK;
 }
