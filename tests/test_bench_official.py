@@ -2,22 +2,14 @@
 the ratio of the medians over the rounds, and the spread beside it is each round's own
 official / marcache. The timed runs need PyTorch and the official checkouts, so only the
 arithmetic is tested here, on times whose answers are worked out by hand."""
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmark_modules import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench_official():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_official
-    finally:
-        sys.path.pop(0)
-    return bench_official
+    return import_benchmark("bench_official")
 
 
 def test_the_ratio_is_of_the_medians_and_each_round_keeps_its_own(bench_official):

@@ -2,23 +2,16 @@
 name summed over its launches, CPU-side events left out, longest first. The profile itself
 needs torch with CUDA and a GPU, so only the aggregation is tested here, on stand-in events
 whose totals are worked out by hand."""
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmark_modules import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def profile_var_gpu():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import profile_var_gpu
-    finally:
-        sys.path.pop(0)
-    return profile_var_gpu
+    return import_benchmark("profile_var_gpu")
 
 
 def event(name, device, us):

@@ -29,20 +29,18 @@ What is held:
   - bad MARCACHE_CPU_ISA / MARCACHE_SMALLROW_MAX values are a ValueError naming the
     variable, and build_info() names the ISA.
 """
-import os
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
+from benchmark_modules import import_benchmark
 from marcache import _C
 from reference import ops as ref
 from tolerance import assert_close, scaled_atol
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 F32 = np.float32
 SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
@@ -273,11 +271,7 @@ def test_the_default_thresholds_are_the_isas_panel_rows_and_96_for_lanes(wtype, 
 def test_the_threshold_benchmark_builds_and_times_both_paths(tmp_path):
     # benchmarks/bench_linear.py's C harness (linear_threshold.c) compiles against the
     # checkout's sources and runs both paths through the backend factory.
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_linear
-    finally:
-        sys.path.pop(0)
+    bench_linear = import_benchmark("bench_linear")
     exe = str(tmp_path / "linear_threshold")
     bench_linear.build(exe)
     out = subprocess.run([exe, "1", "256", "128", "3", "40"], capture_output=True, text=True, check=True,

@@ -9,17 +9,15 @@ the head's SiLU (x / (1 + e^-x) on the same expf) within 3 ulp, every instructio
 the plain form bit for bit, and the softmax row to a NumPy emulation of its documented
 order bit for bit and to the float64 softmax."""
 import math
-import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from benchmark_modules import import_benchmark
 from marcache import _C
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = np.float32
 SUPPORTED = tuple(_C.build_info()["cpu_isa_supported"])
 ISAS = tuple(isa for isa in ("plain", "avx2", "avx512") if isa in SUPPORTED)
@@ -252,11 +250,7 @@ def test_hooks_reject_bad_arguments():
 def test_the_attention_benchmark_builds_and_times_the_op(tmp_path):
     # benchmarks/bench_attention.py's C harness (attention_time.c) compiles against the
     # checkout's sources and times the op through the backend's table.
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import _common
-    finally:
-        sys.path.pop(0)
+    _common = import_benchmark("_common")
     exe = str(tmp_path / "attention_time")
     _common.build_harness("attention_time.c", exe)
     out = subprocess.run([exe, "1", "2", "64", "2", "3", "40", "17", "5"], capture_output=True, text=True,
