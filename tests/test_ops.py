@@ -589,26 +589,36 @@ case("conv2d", "b2-5x6-c5to7-k3-residual-naive")(conv2d_builder(2, 5, 6, 5, 7, 3
                                                                  with_y=True, naive=True))
 
 
-def ref_conv2d_rounded_operands(inputs, p):
-    """The 16-bit convolution's contract (ops.h, autocast's): x and w rounded, then exact."""
-    x, w = (ref.round_to_wtype(a, p["wtype"]) for a in inputs[:2])
-    return ref_conv2d((x, w) + tuple(inputs[2:]), p)
+def rounded_operands(reference):
+    """A 16-bit convolution's contract (ops.h, autocast's) over `reference`: x and w rounded
+    to the case's wtype, then exact."""
+    def ref_rounded(inputs, p):
+        x, w = (ref.round_to_wtype(a, p["wtype"]) for a in inputs[:2])
+        return reference((x, w) + tuple(inputs[2:]), p)
+    return ref_rounded
 
 
-# 16-bit convolutions (a VAE or VQVAE loaded with dtype bf16/fp16): the bounds of 16-bit
-# operands against the unrounded float64 result, as linear's, and float32 accuracy against
-# the rounded operands (which pins that x and w, and only they, are rounded).
-for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
-    for name, args, kwargs in [("b2-5x7-c3to17-k3", (2, 5, 7, 3, 17, 3), {}),
-                               ("b1-8x8-c64to65-k3", (1, 8, 8, 64, 65, 3), {}),
-                               ("b2-4x3-c17to33-k1", (2, 4, 3, 17, 33, 1), {}),
-                               ("b1-6x5-c16to8-k3-residual", (1, 6, 5, 16, 8, 3), dict(beta=1.0, with_y=True)),
-                               ("b2-5x6-c5to7-k3", (2, 5, 6, 5, 7, 3), dict(naive=True))]:
-        build = conv2d_builder(*args, wtype=wtype, **kwargs)
-        naive = "-naive" if kwargs.get("naive") else ""  # NAIVE_CASES: ids ending in -naive
-        case("conv2d", name + "-" + wtype + naive, tol=tol)(build)
-        case("conv2d", name + "-" + wtype + "-rounded-ref" + naive, tol=2e-5,
-             reference=ref_conv2d_rounded_operands)(build)
+def sixteen_bit_cases(op, builder, reference, shapes):
+    """For bf16 and fp16, each (name, args, kwargs) of `shapes` as two cases: within the
+    bounds of 16-bit operands against the unrounded float64 result, as linear's, and at
+    float32 accuracy against the rounded operands (which pins that x and w, and only they,
+    are rounded). A naive=True shape keeps its id ending in -naive (NAIVE_CASES)."""
+    for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
+        for name, args, kwargs in shapes:
+            build = builder(*args, wtype=wtype, **kwargs)
+            naive = "-naive" if kwargs.get("naive") else ""
+            case(op, name + "-" + wtype + naive, tol=tol)(build)
+            case(op, name + "-" + wtype + "-rounded-ref" + naive, tol=2e-5,
+                 reference=rounded_operands(reference))(build)
+
+
+# 16-bit convolutions (a VAE or VQVAE loaded with dtype bf16/fp16).
+sixteen_bit_cases("conv2d", conv2d_builder, ref_conv2d,
+                  [("b2-5x7-c3to17-k3", (2, 5, 7, 3, 17, 3), {}),
+                   ("b1-8x8-c64to65-k3", (1, 8, 8, 64, 65, 3), {}),
+                   ("b2-4x3-c17to33-k1", (2, 4, 3, 17, 33, 1), {}),
+                   ("b1-6x5-c16to8-k3-residual", (1, 6, 5, 16, 8, 3), dict(beta=1.0, with_y=True)),
+                   ("b2-5x6-c5to7-k3", (2, 5, 6, 5, 7, 3), dict(naive=True))])
 
 
 # upsample_nearest2x (pending on CPU): a copy, exact.
@@ -871,29 +881,16 @@ case("conv2d_ex", "b1-6x6-c4to4-k1-residual-naive")(
     conv2d_ex_builder(1, 6, 6, 4, 4, 1, 1, beta=0.5, with_y=True, naive=True))
 
 
-def ref_conv2d_ex_rounded_operands(inputs, p):
-    """conv2d_ex's 16-bit contract: x and w rounded (ops.h), then exact."""
-    x, w = (ref.round_to_wtype(a, p["wtype"]) for a in inputs[:2])
-    return ref_conv2d_ex((x, w) + tuple(inputs[2:]), p)
-
-
 # 16-bit conv2d_ex, as conv2d's: a pointwise one on strided (pixel-stride) input and output
 # (its fp32 form reads x in place; the 16-bit one rounds it first), stride 2 with ReLU, a
 # residual beta, and the plain-loop kernel.
-for wtype, tol in (("bf16", 1e-2), ("fp16", 2e-3)):
-    for name, args, kwargs in [("b2-6x5-c16to9-k1-sliced-in-out", (2, 6, 5, 16, 9, 1, 1),
-                                dict(strided=True, relu=True)),
-                               ("b1-9x9-c8to16-k3-s2-p1-relu", (1, 9, 9, 8, 16, 3, 3, (2, 2), (1, 1)),
-                                dict(relu=True)),
-                               ("b1-7x7-c8to6-k3-p1-sliced-in-out", (1, 7, 7, 8, 6, 3, 3),
-                                dict(pad=(1, 1), strided=True, beta=1.0)),
-                               ("b2-7x9-c6to5-k3-s2-p1-sliced", (2, 7, 9, 6, 5, 3, 3, (2, 2), (1, 1)),
-                                dict(strided=True, naive=True))]:
-        build = conv2d_ex_builder(*args, wtype=wtype, **kwargs)
-        naive = "-naive" if kwargs.get("naive") else ""
-        case("conv2d_ex", name + "-" + wtype + naive, tol=tol)(build)
-        case("conv2d_ex", name + "-" + wtype + "-rounded-ref" + naive, tol=2e-5,
-             reference=ref_conv2d_ex_rounded_operands)(build)
+sixteen_bit_cases("conv2d_ex", conv2d_ex_builder, ref_conv2d_ex,
+                  [("b2-6x5-c16to9-k1-sliced-in-out", (2, 6, 5, 16, 9, 1, 1), dict(strided=True, relu=True)),
+                   ("b1-9x9-c8to16-k3-s2-p1-relu", (1, 9, 9, 8, 16, 3, 3, (2, 2), (1, 1)), dict(relu=True)),
+                   ("b1-7x7-c8to6-k3-p1-sliced-in-out", (1, 7, 7, 8, 6, 3, 3),
+                    dict(pad=(1, 1), strided=True, beta=1.0)),
+                   ("b2-7x9-c6to5-k3-s2-p1-sliced", (2, 7, 9, 6, 5, 3, 3, (2, 2), (1, 1)),
+                    dict(strided=True, naive=True))])
 
 
 def pool_builder(batch, height, width, channels, kh, kw, stride=None, pad=(0, 0),

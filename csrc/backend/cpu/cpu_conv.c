@@ -209,6 +209,8 @@ mc_status mc_cpu_conv_round_operands(mc_backend *be, const float **x, int64_t pi
     for (int64_t p = 0; p < pixels; p++)
         for (int64_t c = 0; c < cin; c++)
             xr[p * cin + c] = mc_wtype_round(wt, xs[p * ld + c]);
+    /* The weights on the team too: a 640-to-640 3x3 layer has 3.7 M of them. */
+#pragma omp parallel for schedule(static) num_threads(mc_cpu_threads(be)) if (parallel)
     for (int64_t i = 0; i < w_count; i++)
         wr[i] = mc_wtype_round(wt, ws[i]);
     *x = xr;
