@@ -219,10 +219,11 @@ def test_mar_on_guard_equals_cpu(tiny_mar, policy):
     tokens of a batch and of a call that starts at image 1 equal the CPU's exactly. The guard
     also records the head sampler's later diffusion steps as a graph with CUDA's rules (no
     allocation, upload or download while recording), so this shows the recorded path of
-    every policy gives the direct path's bits; the CPU backend has no graphs."""
+    every policy gives the direct path's bits. The CPU records and replays them too, on one
+    team (tests/test_cpu_graphs.py compares that with its direct calls)."""
     cpu = generate_on(tiny_mar, "cpu", "fp32", policy)
     guard = generate_on(tiny_mar, "guard", "fp32", policy)
-    assert not any(cpu.graph) and len(guard.graph) == 6 and all(guard.graph)
+    assert all(cpu.graph) and len(guard.graph) == 6 and all(guard.graph)
     assert cpu.tokens.shape == (3, 256, 16) and np.all(np.isfinite(cpu.tokens))
     np.testing.assert_array_equal(guard.tokens, cpu.tokens)
     np.testing.assert_array_equal(guard.again, cpu.again)

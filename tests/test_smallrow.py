@@ -370,6 +370,7 @@ def test_the_guard_backend_runs_the_same_kernel(wtype):
     ("MARCACHE_SMALLROW_MAX", "8 ", "MARCACHE_SMALLROW_MAX='8 '"),
     ("MARCACHE_HUGE_PAGES", "yes", "MARCACHE_HUGE_PAGES='yes': expected 0 or 1"),
     ("MARCACHE_SMALLROW_PANELS", "on", "MARCACHE_SMALLROW_PANELS='on': expected 0 or 1"),
+    ("MARCACHE_CPU_GRAPHS", "yes", "MARCACHE_CPU_GRAPHS='yes': expected 0 or 1"),
     ("MARCACHE_GEMM_SPLIT", "columns", "MARCACHE_GEMM_SPLIT='columns': expected auto, rows or cols"),
 ])
 def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragment):
@@ -380,6 +381,7 @@ def test_bad_environment_is_a_value_error_naming_the_variable(name, value, fragm
         assert _C.build_info()["cpu_isa"].startswith("invalid: " + name)
         assert _C.build_info()["smallrow_max"] == -1 and _C.build_info()["huge_pages"] == -1
         assert _C.build_info()["panel_max"] == -1 and _C.build_info()["smallrow_panels"] == -1
+        assert _C.build_info()["cpu_graphs"] == -1
         assert _C.build_info()["gemm_split"] == "invalid"
 
 
@@ -390,6 +392,7 @@ def test_an_isa_the_cpu_lacks_is_refused_and_build_info_names_the_choice():
     assert info["cpu_isa"] == SUPPORTED[0] and SUPPORTED[-1] == "plain"
     assert info["smallrow_max"] == (0 if SUPPORTED[0] == "plain" else 96)
     assert info["panel_max"] == DEFAULT_PANEL_MAX and info["smallrow_panels"] == 1
+    assert info["cpu_graphs"] == 1
     for isa in ISAS:
         # An emulated AVX2 machine (MARCACHE_CPU_ISA=avx2 on an AVX-512 one) takes AVX2's
         # threshold; the plain reference loop the best ISA's.

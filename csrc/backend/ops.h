@@ -162,7 +162,9 @@ struct mc_ops {
      * sizes or pointers) and replacing it otherwise; with keep == 0 it
      * discards the recording. graph_launch runs a graph on the backend's
      * queue, graph_free frees one. The head sampler records its 99 later
-     * diffusion steps (runtime/mar_sampler.c). */
+     * diffusion steps (runtime/mar_sampler.c): CUDA replays them as a CUDA
+     * graph, the CPU on one persistent OpenMP team (cpu/cpu_graph.c), the
+     * guard runs them as they are recorded. */
     mc_status (*capture_begin)(mc_backend *be, mc_err *err);
     mc_status (*capture_end)(mc_backend *be, void **graph, int keep, mc_err *err);
     mc_status (*graph_launch)(mc_backend *be, void *graph, mc_err *err);
@@ -191,6 +193,11 @@ struct mc_backend {
      * op anyway; 0 on the others. A discarded graph recording takes its
      * ops' FLOPs back, as it takes back their effects. */
     int64_t dispatched_flops;
+    /* A CPU graph's launch (cpu_graph.c): the parallel regions it opened
+     * for its persistent team, and the recorded calls it ran inside them.
+     * 0 on the other backends. The tests read them to see that the head's
+     * diffusion steps ran on one team, not a region per op. */
+    int64_t team_regions, team_calls;
     void *impl;  /* backend-private state: scratch pools, handles, streams */
 };
 

@@ -97,7 +97,7 @@ static int add_cuda_info(PyObject *info) {
  * the sets this CPU supports, smallrow_max, the row threshold
  * (MARCACHE_SMALLROW_MAX honoured; -1 with a bad environment), smallrow_panels
  * (MARCACHE_SMALLROW_PANELS) and panel_max (bound fp32 weights' column-panel
- * threshold; 0 with panels off), huge_pages
+ * threshold; 0 with panels off), huge_pages, cpu_graphs (MARCACHE_CPU_GRAPHS)
  * and gemm_split (MARCACHE_GEMM_SPLIT; "invalid" with a bad environment). */
 static int add_cpu_isa_info(PyObject *info) {
     mc_err err = {0};
@@ -113,6 +113,7 @@ static int add_cpu_isa_info(PyObject *info) {
         cfg.panel_max = -1;
         cfg.panels = -1;
         cfg.huge_pages = -1;
+        cfg.graphs = -1;
     }
     PyObject *supported = PyList_New(0);
     static const mc_cpu_isa all[] = {MC_CPU_ISA_AVX512, MC_CPU_ISA_AVX2, MC_CPU_ISA_PLAIN};
@@ -129,10 +130,10 @@ static int add_cpu_isa_info(PyObject *info) {
         Py_XDECREF(supported);
         return -1;
     }
-    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i,s:i,s:i,s:s}", "cpu_isa", isa_s, "cpu_isa_supported",
+    PyObject *entries = Py_BuildValue("{s:N,s:N,s:i,s:i,s:i,s:i,s:i,s:s}", "cpu_isa", isa_s, "cpu_isa_supported",
                                       supported, "smallrow_max", cfg.smallrow_max, "smallrow_panels", cfg.panels,
                                       "panel_max", cfg.panels == 0 ? 0 : cfg.panel_max, "huge_pages",
-                                      cfg.huge_pages, "gemm_split", gemm_split);
+                                      cfg.huge_pages, "cpu_graphs", cfg.graphs, "gemm_split", gemm_split);
     if (entries == NULL)
         return -1;
     int rc = PyDict_Update(info, entries);

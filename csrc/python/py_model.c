@@ -183,6 +183,16 @@ PyObject *mcpy_get_backend_syncs(mcpy_model_object *self, void *closure) {
     return PyLong_FromLongLong(self->backend ? (long long)self->backend->syncs : 0);
 }
 
+PyObject *mcpy_get_backend_team_regions(mcpy_model_object *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->team_regions : 0);
+}
+
+PyObject *mcpy_get_backend_team_calls(mcpy_model_object *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->backend ? (long long)self->backend->team_calls : 0);
+}
+
 PyObject *mcpy_get_backend_flops(mcpy_model_object *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(self->backend ? (long long)self->backend->dispatched_flops : 0);

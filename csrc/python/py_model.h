@@ -160,10 +160,12 @@ void mcpy_arrays_release(int count, PyArrayObject **arrays);
 PyObject *mcpy_int_tuple(const int64_t *values, Py_ssize_t n);
 
 /* The getters of a model's backend counters (allocations, host waits,
- * dispatched FLOPs); 0 before a model is loaded. */
+ * dispatched FLOPs, CPU graph teams); 0 before a model is loaded. */
 PyObject *mcpy_get_backend_allocations(mcpy_model_object *self, void *closure);
 PyObject *mcpy_get_backend_syncs(mcpy_model_object *self, void *closure);
 PyObject *mcpy_get_backend_flops(mcpy_model_object *self, void *closure);
+PyObject *mcpy_get_backend_team_regions(mcpy_model_object *self, void *closure);
+PyObject *mcpy_get_backend_team_calls(mcpy_model_object *self, void *closure);
 
 #define MCPY_BACKEND_COUNTER_GETSETS                                                                      \
     {"backend_allocations", (getter)mcpy_get_backend_allocations, NULL,                                   \
@@ -173,7 +175,11 @@ PyObject *mcpy_get_backend_flops(mcpy_model_object *self, void *closure);
      NULL},                                                                                               \
     {"backend_flops", (getter)mcpy_get_backend_flops, NULL,                                               \
      "FLOPs of the GEMM and attention ops dispatched so far (ops_list.h's convention, that of "           \
-     "marcache.flops); counted on the guard backend only, 0 elsewhere", NULL}
+     "marcache.flops); counted on the guard backend only, 0 elsewhere", NULL},                            \
+    {"backend_team_regions", (getter)mcpy_get_backend_team_regions, NULL,                                 \
+     "parallel regions the CPU's graph launches opened for one persistent team (0 elsewhere)", NULL},      \
+    {"backend_team_calls", (getter)mcpy_get_backend_team_calls, NULL,                                     \
+     "recorded calls the CPU's graph launches ran inside those regions (0 elsewhere)", NULL}
 
 /* A cache policy's config from the dict its Python policy's as_dict() gives:
  * the "policy" key names it (found with `lookup`, the family's registry),

@@ -18,6 +18,7 @@ typedef struct cpu_state {
     float *scratch[MC_CPU_SCRATCH_SLOTS];
     size_t scratch_floats[MC_CPU_SCRATCH_SLOTS];
     mc_cpu_panel_set panels; /* the bound fp32 linear weights (cpu_panels.c) */
+    mc_cpu_recorder recorder; /* graph recording (cpu_graph.c) */
 } cpu_state;
 
 static enum CBLAS_TRANSPOSE to_cblas(int trans) { return trans ? CblasTrans : CblasNoTrans; }
@@ -126,6 +127,10 @@ mc_cpu_gemm_split mc_cpu_gemm_split_of(mc_backend *be) { return ((cpu_state *)be
 
 mc_cpu_panel_set *mc_cpu_panel_set_of(mc_backend *be) { return &((cpu_state *)be->impl)->panels; }
 
+mc_cpu_recorder *mc_cpu_recorder_of(mc_backend *be) { return &((cpu_state *)be->impl)->recorder; }
+
+int mc_cpu_graphs_enabled(mc_backend *be) { return ((cpu_state *)be->impl)->config.graphs; }
+
 mc_status mc_cpu_bind_linear(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err) {
     cpu_state *st = be->impl;
     if (mc_cpu_panel_max(be) == 0 || be->linear_wtype != MC_WTYPE_F32)
@@ -185,38 +190,53 @@ void *mc_cpu_host_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *
     return p;
 }
 
+/* Allocation, upload, download and binding are not recordable (CUDA
+ * refuses them in a graph recording too): they fail the recording. */
 static void *cpu_alloc(mc_backend *be, size_t bytes, const char *what, mc_err *err) {
+    if (mc_cpu_refuse_while_recording(be, "allocation", err) != MC_OK)
+        return NULL;
     void *p = mc_cpu_host_alloc(be, bytes, what, err);
     if (p != NULL)
         be->allocations++;
     return p;
 }
 
+/* A release while recording fails the recording (a recorded call may name
+ * the buffer); nothing recorded has run, so freeing it now is safe. */
 static void cpu_release(mc_backend *be, void *ptr) {
+    mc_err ignored = {0};
+    (void)mc_cpu_refuse_while_recording(be, "release", &ignored);
     mc_cpu_panel_set_forget(mc_cpu_panel_set_of(be), ptr);
     mc_aligned_free(ptr);
 }
 
-static mc_status cpu_copy(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
-    (void)err;
+void mc_cpu_copy_bytes(mc_backend *be, void *dst, const void *src, size_t bytes) {
     if (bytes) {
         memcpy(dst, src, bytes);
         mc_cpu_panel_set_stale(mc_cpu_panel_set_of(be), dst, bytes);
     }
-    return MC_OK;
 }
 
 /* Counted as the CUDA backend would wait (ops.h, mc_backend.syncs). */
 static mc_status cpu_upload(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    MC_TRY(mc_cpu_refuse_while_recording(be, "upload", err));
     if (bytes > MC_UPLOAD_STAGED_MAX)
         be->syncs++;
-    return cpu_copy(be, dst, src, bytes, err);
+    mc_cpu_copy_bytes(be, dst, src, bytes);
+    return MC_OK;
 }
 
 static mc_status cpu_download(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err) {
+    MC_TRY(mc_cpu_refuse_while_recording(be, "download", err));
     if (bytes)
         be->syncs++;
-    return cpu_copy(be, dst, src, bytes, err);
+    mc_cpu_copy_bytes(be, dst, src, bytes);
+    return MC_OK;
+}
+
+static mc_status cpu_bind_linear_entry(mc_backend *be, const void *w, int64_t out, int64_t in, mc_err *err) {
+    MC_TRY(mc_cpu_refuse_while_recording(be, "binding a weight", err));
+    return mc_cpu_bind_linear(be, w, out, in, err);
 }
 
 static void cpu_destroy(mc_backend *be) {
@@ -224,6 +244,7 @@ static void cpu_destroy(mc_backend *be) {
     for (int i = 0; i < MC_CPU_SCRATCH_SLOTS; i++)
         mc_aligned_free(st->scratch[i]);
     mc_cpu_panel_set_free(&st->panels);
+    mc_cpu_recorder_free(&st->recorder);
     free(st);
     free(be);
 }
@@ -236,11 +257,15 @@ static const mc_ops cpu_ops = {
     .release = cpu_release,
     .upload = cpu_upload,
     .download = cpu_download,
-    .copy = cpu_copy,
-    .bind_linear = mc_cpu_bind_linear,
-    /* every op of the list: mc_cpu_<op> */
-#define MC_OP(name, where, params, args, flops) .name = mc_cpu_##name,
+    .copy = mc_cpu_copy_or_record,
+    .bind_linear = cpu_bind_linear_entry,
+    /* every op of the list: mc_cpu_<op>, or its record while recording */
+#define MC_OP(name, where, params, args, flops) .name = mc_cpu_entry_##name,
 #include "../ops_list.h"
+    .capture_begin = mc_cpu_capture_begin,
+    .capture_end = mc_cpu_capture_end,
+    .graph_launch = mc_cpu_graph_launch,
+    .graph_free = mc_cpu_graph_free,
 };
 
 mc_status mc_backend_cpu_create(mc_backend **out, int num_threads, mc_err *err) {

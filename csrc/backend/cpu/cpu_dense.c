@@ -9,10 +9,6 @@
 #include "../sampling_inline.h"
 #include "cpu_internal.h"
 
-/* Below this many elements an op runs on one thread: waking the team costs
- * more than the work. */
-#define MC_PARALLEL_MIN_ELEMS 32768
-
 /* The tanh approximation in float32, the operation order of PyTorch's
  * gelu(approximate='tanh'): inner = sqrt(2/pi) * (x + 0.044715 * x^3). */
 float mc_gelu_tanh(float x) {
@@ -82,6 +78,81 @@ static mc_status widen_linear_operands(mc_backend *be, const float *x, int64_t l
     return MC_OK;
 }
 
+/* The packed x of both small-row paths is sized for the most rows either
+ * takes, not for this call's rows: the scratch then reaches its size at the
+ * first call of each input width, and a later run with other row counts
+ * (another CFG, batch or scale) never grows it inside the loop
+ * (test_var_generate checks). */
+static size_t smallrow_x_floats(mc_backend *be, int64_t in) {
+    const int panel_max = mc_cpu_panel_max(be), smallrow_max = mc_cpu_smallrow_max(be);
+    return (size_t)((panel_max > smallrow_max ? panel_max : smallrow_max) * mc_smallrow_ldxp(in));
+}
+
+int mc_cpu_linear_takes_small_rows(mc_backend *be, const void *w, int64_t rows, int64_t in, int64_t out) {
+    const float *panels = NULL;
+    if (rows <= mc_cpu_panel_max(be) && mc_cpu_panels_for(be, w, out, in, 0, &panels, NULL) == 1)
+        return 1;
+    return rows <= mc_cpu_smallrow_max(be);
+}
+
+mc_status mc_cpu_linear_plan_of(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                                const void *w, const float *bias, int64_t out, mc_act act, float beta, float *y,
+                                int64_t ldy, mc_linear_plan *plan, mc_err *err) {
+    plan->path = MC_LINEAR_BLAS;
+    plan->isa = mc_cpu_isa_of(be);
+    const int64_t ldxp = mc_smallrow_ldxp(in);
+    if (rows <= mc_cpu_panel_max(be)) {
+        /* A bound fp32 weight: its column panels (cpu_panels.c), made at
+         * load (again here after a write into the weight dropped them); the
+         * plain ISA reads W itself. The run transposes x into xt's blocks. */
+        const float *panels = NULL;
+        const int panel_order = mc_cpu_panels_for(be, w, out, in, plan->isa != MC_CPU_ISA_PLAIN, &panels, err);
+        if (panel_order < 0)
+            return err->status;
+        if (panel_order) {
+            float *xt = NULL;
+            if (plan->isa != MC_CPU_ISA_PLAIN) {
+                xt = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, smallrow_x_floats(be, in),
+                                    "the small-row linear's transposed input", err);
+                if (xt == NULL)
+                    return err->status;
+            }
+            plan->path = MC_LINEAR_PANELS;
+            plan->panel = (mc_panel_job){.x = x, .ldx = ldx, .xt = xt, .w = w, .panels = panels, .rows = rows,
+                                         .in = in, .out = out, .bias = bias, .act = act, .beta = beta, .y = y,
+                                         .ldy = ldy};
+            return MC_OK;
+        }
+    }
+    if (rows <= mc_cpu_smallrow_max(be)) {
+        /* The lane kernel (cpu_smallrow.c): 16-bit weights, and fp32 ones
+         * without panels. x is copied once (rounded to a 16-bit weight type,
+         * padded to whole vectors). */
+        static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
+        const float *xp = &no_inputs;
+        if (ldxp > 0) {
+            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, smallrow_x_floats(be, in),
+                                           "the small-row linear's packed input", err);
+            if (packed == NULL)
+                return err->status;
+            mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, ldxp, packed);
+            xp = packed;
+        }
+        plan->path = MC_LINEAR_LANES;
+        plan->lane = (mc_smallrow_job){.wt = be->linear_wtype, .xp = xp, .ldxp = ldxp, .rows = rows, .in = in,
+                                       .out = out, .w = w, .bias = bias, .act = act, .beta = beta, .y = y,
+                                       .ldy = ldy};
+    }
+    return MC_OK;
+}
+
+void mc_cpu_linear_team_body(const mc_linear_plan *plan, int tid, int team) {
+    if (plan->path == MC_LINEAR_PANELS)
+        mc_cpu_panel_team_body(plan->isa, &plan->panel, tid, team);
+    else if (plan->path == MC_LINEAR_LANES)
+        mc_cpu_smallrow_team_body(plan->isa, &plan->lane, tid, team);
+}
+
 mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
                         const void *w, const float *bias, int64_t out, mc_act act, float beta,
                         float *y, int64_t ldy, mc_err *err) {
@@ -89,54 +160,14 @@ mc_status mc_cpu_linear(mc_backend *be, const float *x, int64_t ldx, int64_t row
         return MC_OK;
     if (beta != 0.0f && act != MC_ACT_NONE)
         return mc_fail(err, MC_ERR_INTERNAL, "linear: activation with accumulation is not defined");
-    /* Both small-row paths size the packed x for the most rows either takes,
-     * not for this call's rows: the scratch then reaches its size at the
-     * first call of each input width, and a later run with other row counts
-     * (another CFG, batch or scale) never grows it inside the loop
-     * (test_var_generate checks). */
-    const int panel_max = mc_cpu_panel_max(be), smallrow_max = mc_cpu_smallrow_max(be);
-    const int64_t ldxp = mc_smallrow_ldxp(in);
-    const size_t x_floats = (size_t)((panel_max > smallrow_max ? panel_max : smallrow_max) * ldxp);
-    if (rows <= panel_max) {
-        /* A bound fp32 weight: its column panels (cpu_panels.c), made at
-         * load (again here after a write into the weight dropped them); the
-         * plain ISA reads W itself. The run transposes x into xt's blocks. */
-        const mc_cpu_isa isa = mc_cpu_isa_of(be);
-        const float *panels = NULL;
-        const int panel_order = mc_cpu_panels_for(be, w, out, in, isa != MC_CPU_ISA_PLAIN, &panels, err);
-        if (panel_order < 0)
-            return err->status;
-        if (panel_order) {
-            float *xt = NULL;
-            if (isa != MC_CPU_ISA_PLAIN) {
-                xt = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, x_floats, "the small-row linear's transposed input", err);
-                if (xt == NULL)
-                    return err->status;
-            }
-            const mc_panel_job job = {.x = x, .ldx = ldx, .xt = xt, .w = w, .panels = panels, .rows = rows,
-                                      .in = in, .out = out, .bias = bias, .act = act, .beta = beta, .y = y,
-                                      .ldy = ldy};
-            mc_cpu_panel_run(isa, mc_cpu_threads(be), &job);
-            return MC_OK;
-        }
+    mc_linear_plan plan;
+    MC_TRY(mc_cpu_linear_plan_of(be, x, ldx, rows, in, w, bias, out, act, beta, y, ldy, &plan, err));
+    if (plan.path == MC_LINEAR_PANELS) {
+        mc_cpu_panel_run(plan.isa, mc_cpu_threads(be), &plan.panel);
+        return MC_OK;
     }
-    if (rows <= smallrow_max) {
-        /* The lane kernel (cpu_smallrow.c): 16-bit weights, and fp32 ones
-         * without panels. x is copied once (rounded to a 16-bit weight type,
-         * padded to whole vectors). */
-        static const float no_inputs = 0.0f; /* in == 0: never read, but not NULL */
-        const float *xp = &no_inputs;
-        if (ldxp > 0) {
-            float *packed = mc_cpu_scratch(be, MC_LINEAR_X_SLOT, x_floats, "the small-row linear's packed input", err);
-            if (packed == NULL)
-                return err->status;
-            mc_cpu_smallrow_pack_x(be->linear_wtype, x, ldx, rows, in, ldxp, packed);
-            xp = packed;
-        }
-        const mc_smallrow_job job = {.wt = be->linear_wtype, .xp = xp, .ldxp = ldxp, .rows = rows, .in = in,
-                                     .out = out, .w = w, .bias = bias, .act = act, .beta = beta, .y = y,
-                                     .ldy = ldy};
-        mc_cpu_smallrow_run(mc_cpu_isa_of(be), mc_cpu_threads(be), &job);
+    if (plan.path == MC_LINEAR_LANES) {
+        mc_cpu_smallrow_run(plan.isa, mc_cpu_threads(be), &plan.lane);
         return MC_OK;
     }
     const float *xg = x, *wg = w;

@@ -34,6 +34,42 @@ int mc_cpu_threads(mc_backend *be);
 #define MC_OP(name, where, params, args, flops) mc_status mc_cpu_##name params;
 #include "../ops_list.h"
 
+/* Below this many elements an elementwise op runs on one thread: waking the
+ * team costs more than the work. */
+#define MC_PARALLEL_MIN_ELEMS 32768
+/* Below this many multiply-adds a small-row linear (panels or lane kernel)
+ * runs on one thread, for the same reason. The head's input projection (16
+ * inputs) and final layer (32 outputs) fall below; its 1024-wide layers do
+ * not. */
+#define MC_SMALLROW_PARALLEL_MIN_MACS (256 * 1024)
+
+/* The entries of the CPU backend's op table (cpu_graph.c): mc_cpu_<op>
+ * itself, or, while a graph is being recorded, a record of the call. */
+#define MC_OP(name, where, params, args, flops) mc_status mc_cpu_entry_##name params;
+#include "../ops_list.h"
+
+/* Graph recording state of a CPU backend (cpu_graph.c; ops.h capture_*). */
+typedef struct mc_cpu_graph mc_cpu_graph;
+typedef struct mc_cpu_recorder {
+    int capturing;           /* between capture_begin and capture_end */
+    int failed;              /* the recording met an op it cannot keep */
+    mc_cpu_graph *recording; /* the calls recorded so far (reused from one recording to the next) */
+} mc_cpu_recorder;
+mc_cpu_recorder *mc_cpu_recorder_of(mc_backend *be);
+/* Refuses (and fails the recording) what a recording cannot hold:
+ * allocation, upload, download, a weight bound. MC_OK when not recording. */
+mc_status mc_cpu_refuse_while_recording(mc_backend *be, const char *what, mc_err *err);
+mc_status mc_cpu_capture_begin(mc_backend *be, mc_err *err);
+mc_status mc_cpu_capture_end(mc_backend *be, void **graph, int keep, mc_err *err);
+mc_status mc_cpu_graph_launch(mc_backend *be, void *graph, mc_err *err);
+void mc_cpu_graph_free(mc_backend *be, void *graph);
+void mc_cpu_recorder_free(mc_cpu_recorder *rec);
+/* A backend copy: a memcpy that drops the panels of a bound weight written
+ * into (mc_cpu_copy_bytes); while recording, a node of the graph. */
+void mc_cpu_copy_bytes(mc_backend *be, void *dst, const void *src, size_t bytes);
+mc_status mc_cpu_copy_or_record(mc_backend *be, void *dst, const void *src, size_t bytes, mc_err *err);
+int mc_cpu_graphs_enabled(mc_backend *be);
+
 /* Plain-loop reference of mc_cpu_conv2d (same contract), for tests. */
 mc_status mc_cpu_conv2d_naive(mc_backend *be, const float *x, int64_t batch, int64_t height,
                               int64_t width, int64_t cin, const float *w, const float *bias,
@@ -147,6 +183,7 @@ typedef struct mc_cpu_config {
     int huge_pages;   /* MARCACHE_HUGE_PAGES: buffers of 2 MiB or more asked for huge pages */
     mc_cpu_gemm_split gemm_split; /* MARCACHE_GEMM_SPLIT: auto, rows or cols */
     int panels;       /* MARCACHE_SMALLROW_PANELS: fp32 weights' column panels (cpu_panels.c) */
+    int graphs;       /* MARCACHE_CPU_GRAPHS: recorded head steps replayed on one team (cpu_graph.c) */
 } mc_cpu_config;
 /* The configuration a CPU backend made now uses (the environment read,
  * checked: a bad value is MC_ERR_VALUE naming the variable). */
@@ -199,6 +236,7 @@ void mc_cpu_smallrow_pack_x(mc_wtype wt, const float *x, int64_t ldx, int64_t ro
 /* Runs the job with `isa`'s kernel, outputs split across `threads` (one
  * parallel region; serial inside another region or for small jobs). */
 void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j);
+void mc_cpu_smallrow_team_body(mc_cpu_isa isa, const mc_smallrow_job *j, int tid, int team);
 /* Whether mc_cpu_slice_act applies act (GELU, SiLU: the kernels then store
  * with MC_ACT_NONE and leave it to that). */
 int mc_cpu_slice_act_is_vector(mc_act act);
@@ -289,6 +327,32 @@ typedef struct mc_panel_job {
     int64_t ldy;
 } mc_panel_job;
 void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j);
+/* The parallel part of mc_cpu_panel_run / mc_cpu_smallrow_run for thread
+ * `tid` of a team of `team`: every thread of the team calls it (the panel
+ * body holds a barrier of the enclosing team between packing x and the
+ * kernel). The runs open a region for it; a CPU graph's replay calls it on
+ * its persistent team. */
+void mc_cpu_panel_team_body(mc_cpu_isa isa, const mc_panel_job *j, int tid, int team);
+
+/* A small-row linear call planned for a team (cpu_dense.c): which kernel,
+ * and its job with x already packed for the lane kernel. */
+typedef enum mc_linear_path { MC_LINEAR_BLAS = 0, MC_LINEAR_PANELS = 1, MC_LINEAR_LANES = 2 } mc_linear_path;
+typedef struct mc_linear_plan {
+    mc_linear_path path;
+    mc_cpu_isa isa;
+    mc_panel_job panel;
+    mc_smallrow_job lane;
+} mc_linear_plan;
+/* Whether `linear` with these operands takes a small-row kernel (panels or
+ * lanes) rather than OpenBLAS, without making anything. */
+int mc_cpu_linear_takes_small_rows(mc_backend *be, const void *w, int64_t rows, int64_t in, int64_t out);
+/* Plans a linear call (scratch taken, panels made if dropped, x packed for
+ * the lane kernel): plan->path MC_LINEAR_BLAS when it is OpenBLAS's. */
+mc_status mc_cpu_linear_plan_of(mc_backend *be, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                                const void *w, const float *bias, int64_t out, mc_act act, float beta, float *y,
+                                int64_t ldy, mc_linear_plan *plan, mc_err *err);
+/* Thread `tid`'s part of a planned small-row call, on a team of `team`. */
+void mc_cpu_linear_team_body(const mc_linear_plan *plan, int tid, int team);
 
 /* Plain-loop reference of mc_cpu_conv2d_ex (same contract), for tests. */
 mc_status mc_cpu_conv2d_ex_naive(mc_backend *be, const mc_window2d *g, const float *x, int64_t cin,

@@ -47,8 +47,6 @@
 #define MC_PANEL_X86 0
 #endif
 
-/* As in cpu_smallrow.c: below this many multiply-adds one thread. */
-#define MC_PANEL_PARALLEL_MIN_MACS (256 * 1024)
 /* Rows per register block: AVX-512: 14 x 2 accumulators + 2 weight vectors
  * + 1 broadcast = 31 of 32 registers; AVX2: half a panel (16 outputs) at a
  * time, 6 x 2 + 2 + 1 = 15 of 16. */
@@ -439,41 +437,41 @@ static void panel_slice(mc_cpu_isa isa, const mc_panel_job *j, int64_t begin, in
     mc_cpu_slice_act(isa, vector_act, j->y, j->ldy, j->rows, begin, end);
 }
 
+void mc_cpu_panel_team_body(mc_cpu_isa isa, const mc_panel_job *j, int tid, int team) {
+    /* Every thread packs a share of x's inputs (64 at a time) in every
+     * block, then a barrier: every thread reads all blocks. Packed by one
+     * thread before the team, the other waited (with the scalar transposes
+     * reading x from L3 or the other core's L2, 6% of a batch-1 LazyMAR
+     * image's wall time by perf); packed in the team by blocks of rows
+     * instead (99eb2eb), bench_linear measured the panels 5-20% slower; by
+     * inputs, 0.96-1.14x the one-thread packing (15 shape and row pairs,
+     * alternated twice, 2026-11-29). The plain kernel reads x itself. */
+    if (isa != MC_CPU_ISA_PLAIN) {
+        int64_t i_end;
+        const int64_t i_begin = mc_cpu_thread_slice(j->in, tid, team, 64, &i_end);
+        if (i_begin < i_end)
+            pack_x(j->x, j->ldx, j->rows, j->in, mc_cpu_panel_block_rows(isa), i_begin, i_end, j->xt);
+#pragma omp barrier
+    }
+    int64_t end;
+    const int64_t begin = mc_cpu_thread_slice(j->out, tid, team, MC_PANEL_COLS, &end);
+    if (begin < end)
+        panel_slice(isa, j, begin, end);
+}
+
 void mc_cpu_panel_run(mc_cpu_isa isa, int threads, const mc_panel_job *j) {
     if (j->rows == 0 || j->out == 0)
         return;
-    /* The plain kernel reads x itself; the vector ones its register blocks. */
-    const int packs = isa != MC_CPU_ISA_PLAIN;
-    const int block_rows_max = mc_cpu_panel_block_rows(isa);
-    if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_PANEL_PARALLEL_MIN_MACS)
+    if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_SMALLROW_PARALLEL_MIN_MACS)
         threads = 1;
     if (threads <= 1) {
-        if (packs)
-            pack_x(j->x, j->ldx, j->rows, j->in, block_rows_max, 0, j->in, j->xt);
+        if (isa != MC_CPU_ISA_PLAIN)
+            pack_x(j->x, j->ldx, j->rows, j->in, mc_cpu_panel_block_rows(isa), 0, j->in, j->xt);
         panel_slice(isa, j, 0, j->out);
         return;
     }
-    /* Both threads pack x, each a share of its inputs (64 at a time) in
-     * every block, then a barrier: every thread reads all blocks. Packed by
-     * one thread before the team, the other waited (with the scalar
-     * transposes reading x from L3 or the other core's L2, 6% of a batch-1
-     * LazyMAR image's wall time by perf); packed in the team by blocks of
-     * rows instead (99eb2eb), bench_linear measured the panels 5-20% slower;
-     * by inputs, 0.96-1.14x the one-thread packing (15 shape and row pairs,
-     * alternated twice, 2026-11-29). */
+    /* One parallel region per call (a CPU graph's replay runs the body on
+     * its own team instead, cpu_graph.c). */
 #pragma omp parallel num_threads(threads)
-    {
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        if (packs) {
-            int64_t i_end;
-            const int64_t i_begin = mc_cpu_thread_slice(j->in, tid, team, 64, &i_end);
-            if (i_begin < i_end)
-                pack_x(j->x, j->ldx, j->rows, j->in, block_rows_max, i_begin, i_end, j->xt);
-#pragma omp barrier
-        }
-        int64_t end;
-        const int64_t begin = mc_cpu_thread_slice(j->out, tid, team, MC_PANEL_COLS, &end);
-        if (begin < end)
-            panel_slice(isa, j, begin, end);
-    }
+    mc_cpu_panel_team_body(isa, j, omp_get_thread_num(), omp_get_num_threads());
 }

@@ -57,10 +57,6 @@
 #define MC_SMALLROW_X86 0
 #endif
 
-/* Below this many multiply-adds a call runs on one thread: waking the team
- * costs more than it saves. The head's input projection (16 inputs) and
- * final layer (32 outputs) fall below; its 1024-wide layers do not. */
-#define MC_SMALLROW_PARALLEL_MIN_MACS (256 * 1024)
 /* Thread slices start at multiples of this many outputs, so two threads
  * never write one 64-byte line of a y row (for a row start that is 64-byte
  * aligned). A kernel's tiles of SR_O outputs (5 for AVX-512, 4 for AVX2)
@@ -153,6 +149,13 @@ mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
         if (strcmp(panels, "0") != 0 && strcmp(panels, "1") != 0)
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_SMALLROW_PANELS='%.64s': expected 0 or 1", panels);
         cfg->panels = panels[0] == '1';
+    }
+    cfg->graphs = 1;
+    const char *graphs = getenv("MARCACHE_CPU_GRAPHS");
+    if (graphs != NULL && *graphs != '\0') {
+        if (strcmp(graphs, "0") != 0 && strcmp(graphs, "1") != 0)
+            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_CPU_GRAPHS='%.64s': expected 0 or 1", graphs);
+        cfg->graphs = graphs[0] == '1';
     }
     cfg->huge_pages = 1;
     const char *huge = getenv("MARCACHE_HUGE_PAGES");
@@ -454,24 +457,25 @@ static void run_slice(smallrow_kernel kernel, mc_cpu_isa isa, const mc_smallrow_
     mc_cpu_slice_act(isa, j->act, j->y, j->ldy, j->rows, begin, end);
 }
 
+void mc_cpu_smallrow_team_body(mc_cpu_isa isa, const mc_smallrow_job *j, int tid, int team) {
+    int64_t end;
+    const int64_t begin = mc_cpu_thread_slice(j->out, tid, team, MC_SMALLROW_SLICE_ALIGN, &end);
+    if (begin < end)
+        run_slice(kernel_of(isa), isa, j, begin, end);
+}
+
 void mc_cpu_smallrow_run(mc_cpu_isa isa, int threads, const mc_smallrow_job *j) {
     if (j->rows == 0 || j->out == 0)
         return;
-    const smallrow_kernel kernel = kernel_of(isa);
     if (omp_get_level() > 0 || (double)j->rows * (double)j->in * (double)j->out < MC_SMALLROW_PARALLEL_MIN_MACS)
         threads = 1;
     if (threads <= 1) {
-        run_slice(kernel, isa, j, 0, j->out);
+        run_slice(kernel_of(isa), isa, j, 0, j->out);
         return;
     }
-    /* One parallel region per call; each thread's outputs are one
+    /* One parallel region per call (a CPU graph's replay runs the body on
+     * its own team instead, cpu_graph.c); each thread's outputs are one
      * contiguous slice, so it streams its own W rows once. */
 #pragma omp parallel num_threads(threads)
-    {
-        int64_t end;
-        const int64_t begin =
-            mc_cpu_thread_slice(j->out, omp_get_thread_num(), omp_get_num_threads(), MC_SMALLROW_SLICE_ALIGN, &end);
-        if (begin < end)
-            run_slice(kernel, isa, j, begin, end);
-    }
+    mc_cpu_smallrow_team_body(isa, j, omp_get_thread_num(), omp_get_num_threads());
 }
