@@ -313,13 +313,9 @@ static mc_status run_node(mc_backend *be, const cg_node *node, mc_err *err) {
     }
 }
 
-static cg_kind elementwise_kind(int64_t rows, int64_t dim) {
-    return rows * dim < MC_PARALLEL_MIN_ELEMS ? CG_SERIAL : CG_TEAM_ROWS;
-}
-
 /* Rows [r0, r1) of a row-parallel op (a TEAM_ROWS node): the op called on
  * that slice, whose rows it computes as the whole call does (each row on
- * its own). Slices start at multiples of the op's period (node_rows), so a
+ * its own). Slices start at multiples of the op's period (row_op_shape), so a
  * row keeps its modulation, gate or period row; r0 > 0 only then. */
 static mc_status run_rows(mc_backend *be, const cg_node *node, int64_t r0, int64_t r1, mc_err *err) {
     const int64_t n = r1 - r0;
@@ -363,30 +359,38 @@ static mc_status run_rows(mc_backend *be, const cg_node *node, int64_t r0, int64
     }
 }
 
-/* The rows of a TEAM_ROWS node and the multiple its slices start at. A
- * period that is not positive is left to the op to refuse (on the slice of
- * thread 0, which then holds every row). */
-static int64_t node_rows(const cg_node *node, int64_t *align) {
+/* A row-parallel op's shape: its rows, the values per row, and the multiple
+ * its row slices start at (a modulation, gate or period row shared by that
+ * many rows). 0 for any other op. A period that is not positive is left to
+ * the op to refuse (on the slice of thread 0, which then holds every row). */
+static int row_op_shape(const cg_node *node, int64_t *rows, int64_t *width, int64_t *align) {
     *align = 1;
     switch (node->op) {
     case MC_OP_ID_layernorm:
         if (node->a.layernorm.shift != NULL)
             *align = node->a.layernorm.mod_period;
-        return node->a.layernorm.rows;
+        *rows = node->a.layernorm.rows, *width = node->a.layernorm.dim;
+        return 1;
     case MC_OP_ID_activation:
-        return node->a.activation.rows;
+        *rows = node->a.activation.rows, *width = node->a.activation.dim;
+        return 1;
     case MC_OP_ID_add_rows:
         *align = node->a.add_rows.period;
-        return node->a.add_rows.rows;
+        *rows = node->a.add_rows.rows, *width = node->a.add_rows.dim;
+        return 1;
     case MC_OP_ID_gated_add:
         *align = node->a.gated_add.gate_period;
-        return node->a.gated_add.rows;
+        *rows = node->a.gated_add.rows, *width = node->a.gated_add.dim;
+        return 1;
     case MC_OP_ID_gather_rows:
-        return node->a.gather_rows.rows;
+        *rows = node->a.gather_rows.rows, *width = node->a.gather_rows.dim;
+        return 1;
     case MC_OP_ID_scatter_rows:
-        return node->a.scatter_rows.rows;
+        *rows = node->a.scatter_rows.rows, *width = node->a.scatter_rows.dim;
+        return 1;
     case MC_OP_ID_axpby:
-        return node->a.axpby.rows;
+        *rows = node->a.axpby.rows, *width = node->a.axpby.cols;
+        return 1;
     default:
         return 0;
     }
@@ -394,6 +398,9 @@ static int64_t node_rows(const cg_node *node, int64_t *align) {
 
 /* How a node runs on the replay's team (the file's comment). */
 static cg_kind kind_of(mc_backend *be, const cg_node *node) {
+    int64_t rows, width, align;
+    if (row_op_shape(node, &rows, &width, &align))
+        return rows * width < MC_PARALLEL_MIN_ELEMS ? CG_SERIAL : CG_TEAM_ROWS;
     switch (node->op) {
     case MC_OP_ID_linear: {
         const cg_args_linear *a = &node->a.linear;
@@ -401,20 +408,6 @@ static cg_kind kind_of(mc_backend *be, const cg_node *node) {
             return CG_SERIAL;
         return mc_cpu_linear_takes_small_rows(be, a->w, a->rows, a->in, a->out) ? CG_TEAM : CG_REGION;
     }
-    case MC_OP_ID_layernorm:
-        return elementwise_kind(node->a.layernorm.rows, node->a.layernorm.dim);
-    case MC_OP_ID_activation:
-        return elementwise_kind(node->a.activation.rows, node->a.activation.dim);
-    case MC_OP_ID_add_rows:
-        return elementwise_kind(node->a.add_rows.rows, node->a.add_rows.dim);
-    case MC_OP_ID_gated_add:
-        return elementwise_kind(node->a.gated_add.rows, node->a.gated_add.dim);
-    case MC_OP_ID_gather_rows:
-        return elementwise_kind(node->a.gather_rows.rows, node->a.gather_rows.dim);
-    case MC_OP_ID_scatter_rows:
-        return elementwise_kind(node->a.scatter_rows.rows, node->a.scatter_rows.dim);
-    case MC_OP_ID_axpby:
-        return elementwise_kind(node->a.axpby.rows, node->a.axpby.cols);
     case MC_OP_ID_cfg_combine: /* serial loops whatever their size */
     case MC_OP_ID_ddpm_step:
     case MC_OP_ID_token_normals:
@@ -464,8 +457,8 @@ static void take_body_failure(team_shared *sh) {
 
 /* Thread `tid`'s row slice of a TEAM_ROWS node. */
 static void run_row_slice(mc_backend *be, const cg_node *node, int tid, int team, team_shared *sh) {
-    int64_t align, r1;
-    const int64_t rows = node_rows(node, &align);
+    int64_t rows = 0, width = 0, align = 1, r1;
+    (void)row_op_shape(node, &rows, &width, &align);
     const int64_t r0 = align >= 1 ? mc_cpu_thread_slice(rows, tid, team, align, &r1) : (tid == 0 ? 0 : rows);
     if (align < 1)
         r1 = rows;
