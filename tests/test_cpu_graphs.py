@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import marcache as mc
+from marcache import _C
 from mar_fixtures import write_tiny_mar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -153,3 +154,22 @@ def test_every_host_struct_parameter_is_copied_into_the_recording():
                 needing.add(name)
     assert needing == {"attention", "ddpm_step", "conv2d_ex", "avg_pool2d", "max_pool2d"}, needing
     assert needing <= keep and needing <= point, (needing - keep, needing - point)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_graph_hooks_refuse_what_a_recording_cannot_hold(threads, monkeypatch):
+    """The hooks themselves, on one bound Linear (8 x 1024 x 1024) and a copy of its result:
+    an allocation inside a recording is refused and the recording discarded with nothing run;
+    a second capture_begin and a capture_end without one are refused; a clean recording runs
+    nothing until it is launched, then gives the direct call's bits, on one team with two
+    threads and none with one; with MARCACHE_CPU_GRAPHS=0 recording is refused."""
+    monkeypatch.delenv("MARCACHE_CPU_GRAPHS", raising=False)
+    got = _C._cpu_graph_probe(threads)
+    assert got["refused"] == "cpu: allocation while recording a graph"
+    assert got["discarded"] == "cpu: graph recording discarded (allocation while recording)"
+    assert got["twice"] == "cpu: a graph is already being recorded"
+    assert got["end_without_begin"] == "cpu: capture_end without capture_begin"
+    assert got["untouched_after_failed"] and got["untouched_after_record"]
+    assert got["max_diff"] == 0.0 and got["team_regions"] == (1 if threads > 1 else 0)
+    monkeypatch.setenv("MARCACHE_CPU_GRAPHS", "0")
+    assert _C._cpu_graph_probe(threads) == {"off": "cpu: graphs are off (MARCACHE_CPU_GRAPHS=0)"}

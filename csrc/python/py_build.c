@@ -1,9 +1,11 @@
 /* Build facts and backend probes of marcache._C: build_info(),
  * sgemm_seconds() (the machine's measured GEMM rate for the benchmarks),
- * and the test hooks _guard_probe(), _cuda_pool_probe(), _nomem_message(),
+ * and the test hooks _guard_probe(), _cpu_graph_probe(), _cuda_pool_probe(), _nomem_message(),
  * _cpu_expf(), _cpu_gelu(), _cpu_silu() and _cpu_softmax(). */
 #include "py_numpy.h"
 
+#include <math.h>
+#include <string.h>
 #include <time.h>
 
 #include "../backend/cpu/cpu_internal.h"
@@ -354,6 +356,101 @@ static PyObject *guard_probe(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble((double)back);
 }
 
+/* _cpu_graph_probe(threads) -> dict: the CPU backend's graph hooks on one
+ * Linear (8 x 1024 x 1024, bound, so it runs on the team) and a copy of its
+ * result (tests/test_cpu_graphs.py):
+ *   "refused": the message of an allocation inside a recording,
+ *   "discarded": capture_end's message for that recording,
+ *   "untouched_after_failed": y still zero (nothing ran),
+ *   "twice": capture_begin's message inside a recording,
+ *   "end_without_begin": capture_end's message with no recording,
+ *   "untouched_after_record": y and its copy zero after a clean recording,
+ *   "max_diff": largest |graph - direct| over y and the copy after launch,
+ *   "team_regions": regions the launch opened,
+ *   "off": capture_begin's message with MARCACHE_CPU_GRAPHS=0 (None if on). */
+static float probe_max_abs(const float *a, const float *b, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        const float d = b != NULL ? fabsf(a[i] - b[i]) : fabsf(a[i]);
+        m = d > m ? d : m;
+    }
+    return m;
+}
+
+static PyObject *cpu_graph_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    int threads = 2;
+    if (!PyArg_ParseTuple(args, "i", &threads))
+        return NULL;
+    enum { ROWS = 8, IN = 1024, OUT = 1024 };
+    mc_err err = {0};
+    mc_backend *be = NULL;
+    if (mc_backend_cpu_create(&be, threads, &err) != MC_OK)
+        return mcpy_raise(&err);
+    const mc_ops *ops = be->ops;
+    float *x = ops->alloc(be, sizeof(float) * ROWS * IN, "the probe's x", &err);
+    float *w = x ? ops->alloc(be, sizeof(float) * OUT * IN, "the probe's w", &err) : NULL;
+    float *y = w ? ops->alloc(be, sizeof(float) * ROWS * OUT * 3, "the probe's y", &err) : NULL;
+    PyObject *out = NULL;
+    if (y == NULL)
+        goto done;
+    for (size_t i = 0; i < (size_t)ROWS * IN; i++)
+        x[i] = (float)((i * 7919) % 61) / 61.0f - 0.5f;
+    for (size_t i = 0; i < (size_t)OUT * IN; i++)
+        w[i] = (float)((i * 104729) % 97) / 97.0f - 0.5f;
+    if (ops->bind_linear(be, w, OUT, IN, &err) != MC_OK)
+        goto done;
+    float *direct = y, *graphed = y + ROWS * OUT, *copied = y + 2 * ROWS * OUT;
+    memset(graphed, 0, sizeof(float) * ROWS * OUT * 2);
+    if (ops->linear(be, x, IN, ROWS, IN, w, NULL, OUT, MC_ACT_NONE, 0.0f, direct, OUT, &err) != MC_OK)
+        goto done;
+    mc_err off = {0}, refused = {0}, discarded = {0}, twice = {0}, unbegun = {0};
+    void *graph = NULL;
+    if (ops->capture_begin(be, &off) == MC_OK) {
+        mc_status st = ops->linear(be, x, IN, ROWS, IN, w, NULL, OUT, MC_ACT_NONE, 0.0f, graphed, OUT, &err);
+        void *extra = st == MC_OK ? ops->alloc(be, 64, "an allocation inside a recording", &refused) : NULL;
+        if (extra != NULL)
+            ops->release(be, extra);
+        (void)ops->capture_end(be, &graph, 1, &discarded);
+        const float after_failed = probe_max_abs(graphed, NULL, (size_t)ROWS * OUT);
+        if (st != MC_OK || ops->capture_begin(be, &err) != MC_OK)
+            goto done;
+        (void)ops->capture_begin(be, &twice);
+        st = ops->linear(be, x, IN, ROWS, IN, w, NULL, OUT, MC_ACT_NONE, 0.0f, graphed, OUT, &err);
+        if (st == MC_OK)
+            st = ops->copy(be, copied, graphed, sizeof(float) * ROWS * OUT, &err);
+        if (ops->capture_end(be, &graph, st == MC_OK, &err) != MC_OK || st != MC_OK)
+            goto done;
+        (void)ops->capture_end(be, &graph, 1, &unbegun);
+        const float after_record = probe_max_abs(graphed, NULL, (size_t)ROWS * OUT * 2);
+        const int64_t regions = be->team_regions;
+        st = ops->graph_launch(be, graph, &err);
+        ops->graph_free(be, graph);
+        if (st != MC_OK)
+            goto done;
+        const float d1 = probe_max_abs(graphed, direct, (size_t)ROWS * OUT);
+        const float d2 = probe_max_abs(copied, direct, (size_t)ROWS * OUT);
+        out = Py_BuildValue("{s:s,s:s,s:O,s:s,s:s,s:O,s:d,s:L,s:O}", "refused", refused.msg, "discarded",
+                            discarded.msg, "untouched_after_failed", after_failed == 0.0f ? Py_True : Py_False,
+                            "twice", twice.msg, "end_without_begin", unbegun.msg, "untouched_after_record",
+                            after_record == 0.0f ? Py_True : Py_False, "max_diff", (double)(d1 > d2 ? d1 : d2),
+                            "team_regions", (long long)(be->team_regions - regions), "off", Py_None);
+    } else {
+        out = Py_BuildValue("{s:s}", "off", off.msg);
+    }
+done:
+    if (out == NULL && !PyErr_Occurred())
+        mcpy_raise(&err);
+    if (y != NULL)
+        ops->release(be, y);
+    if (w != NULL)
+        ops->release(be, w);
+    if (x != NULL)
+        ops->release(be, x);
+    mc_backend_destroy(be);
+    return out;
+}
+
 /* _nomem_message(count, each, what, because=None, sized=True) -> (status, message):
  * what mc_fail_nomem_n / _because / _unsized write, for the test of the one
  * out-of-memory format (tests/test_messages.py): no allocation can be made
@@ -460,6 +557,9 @@ static PyMethodDef build_methods[] = {
     {"_guard_probe", guard_probe, METH_VARARGS,
      "_guard_probe(touch) -> 42.0 read back from a guard buffer; touch=True reads it on the host "
      "instead, which must fault (tests only)."},
+    {"_cpu_graph_probe", cpu_graph_probe, METH_VARARGS,
+     "_cpu_graph_probe(threads) -> the CPU backend's graph hooks on one Linear and a copy: refusal and "
+     "discard messages, results against the direct call, team regions (tests only)"},
     {"build_info", build_info, METH_NOARGS, "Backends, BLAS and compiler flags built in."},
     {"_cpu_expf", cpu_expf, METH_VARARGS,
      "_cpu_expf(x, isa) -> the CPU backend's expf of a 1-D float32 array with isa's code (tests only)"},

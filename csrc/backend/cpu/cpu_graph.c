@@ -137,6 +137,8 @@ static void graph_free(mc_cpu_graph *g) {
 }
 
 static mc_status refuse(mc_cpu_recorder *rec, const char *what, mc_err *err) {
+    if (!rec->failed)
+        rec->failed_what = what;
     rec->failed = 1;
     return mc_fail(err, MC_ERR_INTERNAL, "cpu: %s while recording a graph", what);
 }
@@ -150,6 +152,7 @@ static cg_node *append(mc_cpu_recorder *rec, int op, mc_err *err) {
         cg_node *nodes = realloc(g->nodes, (size_t)fresh * sizeof *nodes);
         if (nodes == NULL) {
             rec->failed = 1;
+            rec->failed_what = "no memory for the recorded calls";
             mc_fail_nomem_n(err, (size_t)fresh, sizeof *nodes, "a CPU graph's recorded calls");
             return NULL;
         }
@@ -157,6 +160,7 @@ static cg_node *append(mc_cpu_recorder *rec, int op, mc_err *err) {
         unsigned char *kinds = realloc(g->kinds, (size_t)fresh);
         if (kinds == NULL) {
             rec->failed = 1;
+            rec->failed_what = "no memory for the recorded calls";
             mc_fail_nomem(err, (size_t)fresh, "a CPU graph's node kinds");
             return NULL;
         }
@@ -274,6 +278,7 @@ mc_status mc_cpu_capture_begin(mc_backend *be, mc_err *err) {
     rec->recording->count = 0;
     rec->capturing = 1;
     rec->failed = 0;
+    rec->failed_what = NULL;
     return MC_OK;
 }
 
@@ -284,6 +289,9 @@ mc_status mc_cpu_capture_end(mc_backend *be, void **graph, int keep, mc_err *err
     rec->capturing = 0;
     if (!keep || rec->failed) {
         rec->recording->count = 0;
+        if (rec->failed)
+            return mc_fail(err, MC_ERR_INTERNAL, "cpu: graph recording discarded (%s while recording)",
+                           rec->failed_what);
         return mc_fail(err, MC_ERR_INTERNAL, "cpu: graph recording discarded");
     }
     /* The recording becomes the graph; the graph it replaces (if any) holds

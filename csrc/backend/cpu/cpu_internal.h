@@ -52,7 +52,8 @@ int mc_cpu_threads(mc_backend *be);
 typedef struct mc_cpu_graph mc_cpu_graph;
 typedef struct mc_cpu_recorder {
     int capturing;           /* between capture_begin and capture_end */
-    int failed;              /* the recording met an op it cannot keep */
+    int failed;              /* the recording met a call it cannot keep */
+    const char *failed_what; /* the first such call ("allocation", ...) */
     mc_cpu_graph *recording; /* the calls recorded so far (reused from one recording to the next) */
 } mc_cpu_recorder;
 mc_cpu_recorder *mc_cpu_recorder_of(mc_backend *be);
