@@ -26,9 +26,9 @@
  *     REGION node: the team ends, the op runs as called directly (its own
  *     region), and the next run of team and serial nodes starts a new team.
  *
- * So the 99 steps of an AR step run in one parallel region (the head's
- * Linears take the small-row kernels up to 96 rows, or with AVX-512's
- * column panels up to 768, MAR-B's head at batch 8 included); the
+ * So wherever the head's Linears take the small-row kernels (up to 96
+ * rows, or 768 with AVX-512's column panels) the 99 steps of an AR step run
+ * in one parallel region (MAR-B at batch 1: one per AR step measured); the
  * kernels, their thread slices and therefore the bits are those of the
  * direct calls (tests/test_cpu_graphs.py). What is recorded is each call's
  * arguments: backend pointers as given, and the host structs some ops take

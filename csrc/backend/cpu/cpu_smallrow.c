@@ -100,6 +100,18 @@ mc_cpu_isa mc_cpu_isa_best(void) {
     return mc_cpu_isa_supported(MC_CPU_ISA_AVX2) ? MC_CPU_ISA_AVX2 : MC_CPU_ISA_PLAIN;
 }
 
+/* An on/off environment variable: 1 when unset or empty, else "0" or "1". */
+static mc_status read_switch(const char *name, int *on, mc_err *err) {
+    const char *text = getenv(name);
+    *on = 1;
+    if (text == NULL || *text == '\0')
+        return MC_OK;
+    if (strcmp(text, "0") != 0 && strcmp(text, "1") != 0)
+        return mc_fail(err, MC_ERR_VALUE, "%s='%.64s': expected 0 or 1", name, text);
+    *on = text[0] == '1';
+    return MC_OK;
+}
+
 mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
     const char *name = getenv("MARCACHE_CPU_ISA");
     cfg->isa = mc_cpu_isa_best();
@@ -143,28 +155,9 @@ mc_status mc_cpu_config_from_env(mc_cpu_config *cfg, mc_err *err) {
         if (!found)
             return mc_fail(err, MC_ERR_VALUE, "MARCACHE_GEMM_SPLIT='%.64s': expected auto, rows or cols", split);
     }
-    cfg->panels = 1;
-    const char *panels = getenv("MARCACHE_SMALLROW_PANELS");
-    if (panels != NULL && *panels != '\0') {
-        if (strcmp(panels, "0") != 0 && strcmp(panels, "1") != 0)
-            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_SMALLROW_PANELS='%.64s': expected 0 or 1", panels);
-        cfg->panels = panels[0] == '1';
-    }
-    cfg->graphs = 1;
-    const char *graphs = getenv("MARCACHE_CPU_GRAPHS");
-    if (graphs != NULL && *graphs != '\0') {
-        if (strcmp(graphs, "0") != 0 && strcmp(graphs, "1") != 0)
-            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_CPU_GRAPHS='%.64s': expected 0 or 1", graphs);
-        cfg->graphs = graphs[0] == '1';
-    }
-    cfg->huge_pages = 1;
-    const char *huge = getenv("MARCACHE_HUGE_PAGES");
-    if (huge != NULL && *huge != '\0') {
-        if (strcmp(huge, "0") != 0 && strcmp(huge, "1") != 0)
-            return mc_fail(err, MC_ERR_VALUE, "MARCACHE_HUGE_PAGES='%.64s': expected 0 or 1", huge);
-        cfg->huge_pages = huge[0] == '1';
-    }
-    return MC_OK;
+    MC_TRY(read_switch("MARCACHE_SMALLROW_PANELS", &cfg->panels, err));
+    MC_TRY(read_switch("MARCACHE_CPU_GRAPHS", &cfg->graphs, err));
+    return read_switch("MARCACHE_HUGE_PAGES", &cfg->huge_pages, err);
 }
 
 float mc_smallrow_reduce16(const float lane[MC_SMALLROW_LANES]) {
