@@ -134,7 +134,7 @@ def test_openblas_linears_leave_the_team_and_one_thread_opens_none(wide_head_mar
 def test_every_host_struct_parameter_is_copied_into_the_recording():
     """A pointer parameter of ops_list.h is backend memory (float, int and void pointers) or a
     host struct on the caller's stack (mc_ddpm_coefs, mc_window2d, mc_kv_segment), which the
-    recording must copy and the replay point at (keep_host_args, point_host_args): an op
+    recording must copy and the replay point at (keep_host_args, replay_args): an op
     added with such a parameter and no copy would replay from a dead stack frame."""
     ops_list = open(os.path.join(CSRC, "ops_list.h")).read()
     graph = open(os.path.join(CSRC, "cpu", "cpu_graph.c")).read()
@@ -145,7 +145,7 @@ def test_every_host_struct_parameter_is_copied_into_the_recording():
         return set(re.findall(r"case MC_OP_ID_(\w+):", body))
 
     keep = cases_of("mc_status keep_host_args(")
-    point = cases_of("void point_host_args(")
+    point = cases_of("cg_node replay_args(")
     device = re.compile(r"^(const )?(float|double|int32_t|uint32_t|int64_t|uint8_t|uint16_t|void) \*\w+$")
     needing = set()
     for name, params in re.findall(r"MC_OP\((\w+), \w+,\s*\((.*?)\),\s*\(", ops_list, re.S):

@@ -202,30 +202,34 @@ static mc_status keep_host_args(mc_cpu_recorder *rec, cg_node *node, mc_err *err
     return MC_OK;
 }
 
-/* The arguments of a recorded call, pointed at the node's host copies. */
-static void point_host_args(const cg_node *node, void *args) {
+/* A node's arguments for its replay: a copy of the node whose host-struct
+ * pointers name the node's own host copies. (Typed union members, not a
+ * cast of one op's arguments to another's: GCC's -Warray-bounds, under the
+ * sanitizer build's inlining, rejected the cast form in the other ops'
+ * branches.) */
+static cg_node replay_args(const cg_node *node) {
+    cg_node local = *node;
     switch (node->op) {
-    case MC_OP_ID_ddpm_step: {
-        cg_args_ddpm_step *a = args;
-        if (a->coefs != NULL)
-            a->coefs = &node->host.coefs;
+    case MC_OP_ID_ddpm_step:
+        if (local.a.ddpm_step.coefs != NULL)
+            local.a.ddpm_step.coefs = &node->host.coefs;
         break;
-    }
     case MC_OP_ID_conv2d_ex:
-        ((cg_args_conv2d_ex *)args)->g = &node->host.window;
+        local.a.conv2d_ex.g = &node->host.window;
         break;
     case MC_OP_ID_avg_pool2d:
-        ((cg_args_avg_pool2d *)args)->g = &node->host.window;
+        local.a.avg_pool2d.g = &node->host.window;
         break;
     case MC_OP_ID_max_pool2d:
-        ((cg_args_max_pool2d *)args)->g = &node->host.window;
+        local.a.max_pool2d.g = &node->host.window;
         break;
     case MC_OP_ID_attention:
-        ((cg_args_attention *)args)->segs = node->host.segments;
+        local.a.attention.segs = node->host.segments;
         break;
     default:
         break;
     }
+    return local;
 }
 
 /* The backend table's entries: the op itself, or a record of the call. */
@@ -306,10 +310,9 @@ static mc_status run_node(mc_backend *be, const cg_node *node, mc_err *err) {
     switch (node->op) {
 #define MC_OP(name, where, params, args, flops)           \
     case MC_OP_ID_##name: {                               \
-        cg_args_##name a = node->a.name;                  \
+        cg_args_##name a = replay_args(node).a.name;      \
         a.be = be;                                        \
         a.err = err;                                      \
-        point_host_args(node, &a);                        \
         return mc_cpu_##name(CG_MEMBERS_OF(a, args));     \
     }
 #include "../ops_list.h"
